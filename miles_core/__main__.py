@@ -1,0 +1,3 @@
+from miles_core.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""CI as a concern: test registration, suites, sharding, runner and workflow generation."""

@@ -1,0 +1,87 @@
+"""The ``miles`` command line.
+
+Core commands are imported lazily (``LAZY_COMMANDS``) so ``miles --help`` and
+``miles plugins list`` never pay for torch, transformers, ray or e2b. Plugins add commands through
+the ``miles_commands`` hook.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from miles_core import __version__
+from miles_core.errors import MilesError
+
+#: command name -> ("module:attribute", one-line help shown by ``miles --help``)
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "plugins": ("miles_core.cli.plugins_cmd:plugins", "List and inspect installed plugins."),
+    "doctor": ("miles_core.cli.doctor_cmd:doctor", "Activate every concern and report what was verified."),
+}
+
+
+class MilesGroup(click.Group):
+    """A click group whose core commands load on demand and whose plugins add the rest."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self._add_plugin_commands()
+        return sorted(set(LAZY_COMMANDS) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS:
+            if cmd_name not in self.commands:
+                from miles_core.plugins import import_object
+
+                self.commands[cmd_name] = import_object(LAZY_COMMANDS[cmd_name][0])
+            return self.commands[cmd_name]
+        if cmd_name not in self.commands:
+            self._add_plugin_commands()
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in LAZY_COMMANDS:
+                rows.append((name, LAZY_COMMANDS[name][1]))
+            else:
+                cmd = self.commands[name]
+                rows.append((name, cmd.get_short_help_str(limit=70)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    def _add_plugin_commands(self) -> None:
+        from miles_core.plugins import get_plugin_manager
+
+        for name in LAZY_COMMANDS:  # plugins may not shadow core commands
+            self.get_command(click.Context(self), name)
+        get_plugin_manager().add_commands(self)
+
+
+@click.group(cls=MilesGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="miles", message="%(prog)s %(version)s")
+def cli() -> None:
+    """miles: RL post-training for LLMs, a minimal core plus installable plugins.
+
+    Environment: MILES_PLUGINS (allow list), MILES_DISABLE_PLUGINS (deny list),
+    MILES_PLUGIN_ERRORS=raise (fail on the first plugin error), MILES_HARDWARE (backend override).
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: MilesError becomes a one-line message and its exit code."""
+    try:
+        cli.main(args=argv, prog_name="miles", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
+    except MilesError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(0)

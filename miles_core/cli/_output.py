@@ -1,0 +1,26 @@
+"""Output helpers: one JSON document on stdout for ``--json``, rich tables otherwise."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def console():
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+
+
+STATUS_STYLE = {"ok": "green", "broken": "red", "blocked": "yellow", "fail": "red", "skip": "yellow", "info": "cyan"}
+
+
+def styled(status: str) -> str:
+    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"

@@ -1,0 +1,85 @@
+"""``miles doctor``: activate every concern and report what was selected, applied and verified.
+
+Each concern contributes one check function ``check(pm) -> list[CheckResult]``, listed in
+:data:`CONCERN_CHECKS` and imported only when the doctor runs. A check that raises is reported as
+a failed, required result carrying the error text; the doctor never hides an exception.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from miles_core.plugins import MilesPluginManager, import_object
+
+Status = Literal["ok", "fail", "skip", "info"]
+
+#: (concern, "module:function"), run in this order
+CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
+    ("plugins", "miles_core.doctor:check_plugins"),
+)
+
+
+@dataclass
+class CheckResult:
+    concern: str
+    item: str
+    status: Status
+    detail: str = ""
+    required: bool = True
+    plugin: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return self.required and self.status == "fail"
+
+
+@dataclass
+class DoctorReport:
+    results: list[CheckResult]
+    fingerprint: dict[str, Any]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not any(r.failed for r in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "results": [asdict(r) for r in self.results],
+            "fingerprint": self.fingerprint,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def check_plugins(pm: MilesPluginManager) -> list[CheckResult]:
+    """Every installed plugin loads and registers; broken ones fail the doctor."""
+    pm.collect_all()
+    results = []
+    for record in pm.plugins():
+        status: Status = {"ok": "ok", "broken": "fail", "blocked": "skip"}[record.status]
+        detail = record.reason or f"{record.distribution} {record.version}"
+        results.append(CheckResult("plugins", record.name, status, detail, plugin=record.name))
+    for warning in pm.warnings:
+        results.append(CheckResult("plugins", "filters", "info", warning, required=False))
+    return results
+
+
+def run_doctor(pm: MilesPluginManager, concerns: tuple[str, ...] | None = None) -> DoctorReport:
+    started = time.perf_counter()
+    results: list[CheckResult] = []
+    for concern, path in CONCERN_CHECKS:
+        if concerns is not None and concern not in concerns:
+            continue
+        try:
+            results.extend(import_object(path)(pm))
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            results.append(
+                CheckResult(concern, "activation", "fail", detail, data={"traceback": traceback.format_exc()})
+            )
+    return DoctorReport(results, pm.fingerprint(), time.perf_counter() - started)

@@ -1,0 +1,12 @@
+"""miles-e2b is discovered through its entry point and loads cleanly."""
+
+from miles_core.plugins import MilesPluginManager
+
+
+def test_discovered_through_entry_point() -> None:
+    pm = MilesPluginManager()
+    pm.discover()
+    record = pm.get("miles-e2b")
+    assert record.distribution == "miles-e2b"
+    assert record.status == "ok", record.reason
+    assert not record.builtin

@@ -1,0 +1,12 @@
+"""miles-mtp is discovered through its entry point and loads cleanly."""
+
+from miles_core.plugins import MilesPluginManager
+
+
+def test_discovered_through_entry_point() -> None:
+    pm = MilesPluginManager()
+    pm.discover()
+    record = pm.get("miles-mtp")
+    assert record.distribution == "miles-mtp"
+    assert record.status == "ok", record.reason
+    assert not record.builtin

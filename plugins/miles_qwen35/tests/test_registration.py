@@ -1,0 +1,12 @@
+"""miles-qwen35 is discovered through its entry point and loads cleanly."""
+
+from miles_core.plugins import MilesPluginManager
+
+
+def test_discovered_through_entry_point() -> None:
+    pm = MilesPluginManager()
+    pm.discover()
+    record = pm.get("miles-qwen35")
+    assert record.distribution == "miles-qwen35"
+    assert record.status == "ok", record.reason
+    assert not record.builtin
