@@ -114,11 +114,7 @@ class PluginRecord:
         Import and registration failures count for every concern: what the plugin would have
         contributed is unknown, so activation fails closed.
         """
-        return [
-            p
-            for p in self.problems
-            if p.stage in ("import", "register") or p.concern in (concern, None)
-        ]
+        return [p for p in self.problems if p.stage in ("import", "register") or p.concern in (concern, None)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -233,9 +229,7 @@ class MilesPluginManager:
             try:
                 module = ep.load()
             except Exception as exc:  # a broken plugin must not take the CLI down
-                record.problems.append(
-                    Problem("import", _describe(exc), detail=traceback.format_exc())
-                )
+                record.problems.append(Problem("import", _describe(exc), detail=traceback.format_exc()))
                 self._fail(record)
                 continue
             finally:
@@ -285,9 +279,7 @@ class MilesPluginManager:
         if unknown:
             self._pm.unregister(module)
             record.hooks = []
-            record.problems.append(
-                Problem("register", f"implements unknown hook(s) {', '.join(unknown)}")
-            )
+            record.problems.append(Problem("register", f"implements unknown hook(s) {', '.join(unknown)}"))
             self._fail(record)
 
     def _warn_unknown_filters(self) -> None:
@@ -340,7 +332,9 @@ class MilesPluginManager:
                     objects = _validate_contributions(result, hook_name)
                 except Exception as exc:
                     record.problems.append(
-                        Problem("hook", f"{hook_name} raised {_describe(exc)}", concern, traceback.format_exc())
+                        Problem(
+                            "hook", f"{hook_name} raised {_describe(exc)}", concern, traceback.format_exc()
+                        )
                     )
                     self._fail(record)
                     continue
@@ -349,7 +343,11 @@ class MilesPluginManager:
                     if obj.name in seen:
                         other = seen[obj.name].plugin
                         record.problems.append(
-                            Problem("conflict", f"{concern} {obj.name!r} is already provided by plugin {other.label}", concern)
+                            Problem(
+                                "conflict",
+                                f"{concern} {obj.name!r} is already provided by plugin {other.label}",
+                                concern,
+                            )
                         )
                         self._fail(record)
                         continue
@@ -411,7 +409,12 @@ class MilesPluginManager:
             record = contribution.plugin
             cause = _describe(exc)
             record.problems.append(
-                Problem("verify", f"{contribution.concern} {contribution.name!r}: {cause}", contribution.concern, traceback.format_exc())
+                Problem(
+                    "verify",
+                    f"{contribution.concern} {contribution.name!r}: {cause}",
+                    contribution.concern,
+                    traceback.format_exc(),
+                )
             )
             raise ActivationError(
                 plugin=record.name,
@@ -435,9 +438,7 @@ class MilesPluginManager:
     def fingerprint(self) -> dict[str, Any]:
         """What other processes compare to prove they loaded the same plugins and patches."""
         body = {
-            "plugins": sorted(
-                [r.name, r.distribution, r.version, r.status] for r in self._records.values()
-            ),
+            "plugins": sorted([r.name, r.distribution, r.version, r.status] for r in self._records.values()),
             "applied_patches": self.applied_patches,
         }
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -460,7 +461,12 @@ class MilesPluginManager:
                     cli.commands.clear()
                     cli.commands.update(before)
                     record.problems.append(
-                        Problem("hook", f"miles_commands raised {_describe(exc)}", "commands", traceback.format_exc())
+                        Problem(
+                            "hook",
+                            f"miles_commands raised {_describe(exc)}",
+                            "commands",
+                            traceback.format_exc(),
+                        )
                     )
                     self._fail(record)
                     continue
@@ -469,7 +475,11 @@ class MilesPluginManager:
                     cli.commands.clear()
                     cli.commands.update(before)
                     record.problems.append(
-                        Problem("conflict", f"miles_commands tried to replace command(s) {', '.join(clobbered)}", "commands")
+                        Problem(
+                            "conflict",
+                            f"miles_commands tried to replace command(s) {', '.join(clobbered)}",
+                            "commands",
+                        )
                     )
                     self._fail(record)
                     continue
