@@ -120,7 +120,7 @@ def _aligned(doc: TrainDocument) -> tuple[list[int], list[float], list[float], l
     """Targets, mask, rollout log-probs and advantages at positions 0..len-1 of ``doc``."""
     ids = list(doc.token_ids)
     n, prompt = len(ids), len(ids) - doc.response_length
-    targets = ids[1:] + [-100]
+    targets = [*ids[1:], -100]
     mask = [0.0] * (prompt - 1) + [float(m) for m in doc.loss_mask] + [0.0]
     logps = [0.0] * (prompt - 1) + list(doc.rollout_logprobs) + [0.0]
     adv = [doc.advantage] * n

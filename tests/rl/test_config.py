@@ -58,7 +58,7 @@ def test_bad_files_and_presets(tmp_path):
     bad.write_text("[rollout\n")
     with pytest.raises(ConfigError, match=r"bad.toml: .*line 1"):
         load_config(file=bad)
-    with pytest.raises(ConfigError, match="expected SECTION.KEY=VALUE"):
+    with pytest.raises(ConfigError, match=r"expected SECTION\.KEY=VALUE"):
         parse_override("no-equals-sign")
 
 
