@@ -124,6 +124,9 @@ class RunSection(_Section):
     stop_at_accuracy: float | None = Field(
         None, ge=0, le=1, description="stop once greedy accuracy reaches this (needs eval_every > 0)"
     )
+    time_limit_s: float | None = Field(
+        None, gt=0, description="stop after the step during which this much time (from the first step) passed"
+    )
     checkpoint_every: int = Field(0, ge=0, description="checkpoint each N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="most recent checkpoints kept")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads on CPU")

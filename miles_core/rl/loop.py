@@ -184,6 +184,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
     initial_accuracy = next((r["greedy_accuracy"] for r in records if r.get("greedy_accuracy") is not None), None)
     progress = Progress(run_cfg.steps, first_step, run_cfg.progress)
     accuracy, stopped_early, step = None, False, first_step - 1
+    loop_started = time.perf_counter()
     try:
         for step in range(first_step, run_cfg.steps):
             timer = Timer()
@@ -232,10 +233,13 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
             }
             metrics.append(record)
             progress.update(record)
-            last = step == run_cfg.steps - 1
+            out_of_time = run_cfg.time_limit_s is not None and time.perf_counter() - loop_started > run_cfg.time_limit_s
+            last = step == run_cfg.steps - 1 or out_of_time
             if (run_cfg.checkpoint_every and (step + 1) % run_cfg.checkpoint_every == 0) or last:
                 state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
                 save_checkpoint(Path(run_cfg.out_dir), runtime.trainer, state, run_cfg.keep_checkpoints)
+            if out_of_time:
+                break
         if not stopped_early and task.has_accuracy and run_cfg.eval_every:
             accuracy = evaluate(runtime, prompts)
     finally:

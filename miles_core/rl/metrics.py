@@ -13,13 +13,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-#: metrics that depend on wall time, hence differ between otherwise identical runs
-TIMING_PREFIXES = ("time_", "tokens_per_s", "elapsed_s")
+def is_timing(key: str) -> bool:
+    """Metrics that depend on wall time, hence differ between otherwise identical runs."""
+    return key.startswith("time_") or key.endswith("_per_s") or key == "elapsed_s"
 
 
 def deterministic_view(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record without its timing fields (what two runs with the same seeds must agree on)."""
-    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
+    return {k: v for k, v in record.items() if not is_timing(k)}
 
 
 class MetricsLog:
