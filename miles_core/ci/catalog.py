@@ -70,7 +70,7 @@ def load_catalog(
     for name in config.hardware:
         if name not in kinds:
             problems.append(
-                f"{config.source}: [hardware.{name}]: unknown hardware {name!r}" + closest(name, list(kinds))
+                f"{config.hardware_sources[name]}: unknown hardware {name!r}" + closest(name, list(kinds))
             )
     labels = {label: text for kind in kinds.values() for label, text in kind.labels.items()} | config.labels
     suites = (

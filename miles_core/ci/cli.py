@@ -369,10 +369,11 @@ def est_times_command(
         )
         return
     for p in proposals:
-        mark = "->" if p.changed else "=="
+        reg = p.registration
+        verdict = f"-> {p.proposed:g}" if p.changed else f"kept (within {tolerance:.0%})"
         click.echo(
-            f"{p.registration.location} [{p.registration.hardware} {p.registration.suite}] est_time {p.registration.est_time:g} "
-            f"{mark} {p.proposed:g} (measured {p.measured:.1f} s over {p.runs} run(s))"
+            f"{reg.location} [{reg.hardware} {reg.suite}] est_time {reg.est_time:g} {verdict} "
+            f"(measured {p.measured:.1f} s over {p.runs} run(s))"
         )
     for note in notes:
         click.echo(f"note: {note}")

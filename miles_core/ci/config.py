@@ -81,6 +81,7 @@ class CIConfig:
     secrets: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
     hardware: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hardware_sources: dict[str, str] = field(default_factory=dict)
     suites: tuple[Suite, ...] | None = None
 
 
@@ -157,12 +158,17 @@ class _Parser:
                 return i + 1
         return start + 1
 
-    def fail(self, table: tuple[str, ...], key: str | None, message: str) -> None:
+    def where(self, table: tuple[str, ...], key: str | None) -> str:
         line = self._line(table, key)
-        where = f"{self.display}:{line}" if line else self.display
+        return f"{self.display}:{line}" if line else self.display
+
+    def describe(self, table: tuple[str, ...], key: str | None = None) -> str:
+        """``file:line: [table] key``, the prefix of every message about that field."""
         name = ".".join([*self.prefix, *table]) or "top level"
-        field_name = f"[{name}] {key}" if key else f"[{name}]"
-        self.problems.append(f"{where}: {field_name}: {message}")
+        return f"{self.where(table, key)}: [{name}]" + (f" {key}" if key else "")
+
+    def fail(self, table: tuple[str, ...], key: str | None, message: str) -> None:
+        self.problems.append(f"{self.describe(table, key)}: {message}")
 
     # -- typed getters (each records a problem and returns the default on bad input) --------
 
@@ -241,6 +247,7 @@ class _Parser:
             secrets=self._secrets(data),
             labels=labels,
             hardware=hardware,
+            hardware_sources={name: self.describe(("hardware", name)) for name in hardware},
             suites=suites,
         )
         if self.problems:
@@ -323,7 +330,7 @@ class _Parser:
             timeout_minutes=self._int(data, "timeout-minutes", table, 60, 1) or 60,
             disabled=disabled,
             issue=issue,
-            source=f"{self.display}:{self._line(table, None) or 1}",
+            source=self.where(table, None),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,10 @@ from typing import Any
 
 from miles_core.ci.base import POSITIONAL_PARAMETERS, Registration
 from miles_core.ci.config import ISSUE_RE, closest
+
+#: how many lines past its opening line a registration call may span before the parser falls
+#: back to parsing the whole file
+_MAX_STATEMENT_LINES = 40
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,45 @@ def parse_source(text: str, path: str, markers: Mapping[str, Marker]) -> tuple[l
     hint = f"add a module-level call to one of {', '.join(sorted(markers))} (est_time=..., suite=...)"
     if not any(name in text for name in markers):
         return [], [f"{path}:1: no CI registration: {hint}"]
-    try:
-        tree = ast.parse(text, filename=path)
-    except SyntaxError as exc:
-        return [], [f"{path}:{exc.lineno or 1}: cannot parse: {exc.msg}"]
+    tree = _registration_prefix(text, markers)
+    if tree is None:
+        try:
+            tree = ast.parse(text, filename=path)
+        except SyntaxError as exc:
+            return [], [f"{path}:{exc.lineno or 1}: cannot parse: {exc.msg}"]
     parser = _FileParser(path, markers)
     parser.visit_module(tree)
     if not parser.registrations and not parser.problems:
         parser.problems.append(f"{path}:1: no CI registration: {hint}")
     return parser.registrations, parser.problems
+
+
+def _registration_prefix(text: str, markers: Mapping[str, Marker]) -> ast.Module | None:
+    """The AST of the file's opening statements when they hold every mention of a marker.
+
+    Registrations sit near the top, so parsing up to the end of the last column-0 call is
+    enough -- and much cheaper than parsing the whole file -- when the rest never names a
+    marker. A prefix that parses as a module ends between top-level statements (no string or
+    bracket left open), so its statements are exactly the file's first ones. Returns None when
+    the whole file must be parsed.
+    """
+    names = "|".join(re.escape(name) for name in markers)
+    matches = list(re.finditer(rf"^(?:[A-Za-z_][\w.]*\.)?(?:{names})\s*\(", text, re.MULTILINE))
+    if not matches:
+        return None
+    last = matches[-1]
+    end = last.end()
+    for _ in range(_MAX_STATEMENT_LINES):
+        newline = text.find("\n", end)
+        end = len(text) if newline < 0 else newline + 1
+        if any(name in text[end:] for name in markers):
+            return None
+        try:
+            return ast.parse(text[:end])
+        except SyntaxError:
+            if end == len(text):
+                return None
+    return None
 
 
 def _callee(func: ast.expr) -> str | None:

@@ -76,6 +76,7 @@ def listing(
 
 
 def render_listing(data: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from miles_core.cli._output import console
@@ -86,7 +87,7 @@ def render_listing(data: dict[str, Any]) -> None:
         suites.add_column(column, overflow="fold")
     for s in data["suites"]:
         gpus = str(s["gpus"]) + (f" of {s['host_gpus']}" if s["host_gpus"] else "")
-        status = "[green]enabled[/]" if s["enabled"] else f"[yellow]DISABLED[/]: {s['disabled']}"
+        status = "[green]enabled[/]" if s["enabled"] else f"[yellow]DISABLED[/]: {escape(s['disabled'])}"
         suites.add_row(
             s["name"],
             s["hardware"],
@@ -109,7 +110,7 @@ def render_listing(data: dict[str, Any]) -> None:
             if flag
         )
         tests.add_row(
-            f"{r['path']}:{r['line']}",
+            escape(f"{r['path']}:{r['line']}"),
             r["hardware"],
             r["suite"],
             f"{r['est_time']:g}",
@@ -125,5 +126,5 @@ def render_listing(data: dict[str, Any]) -> None:
                 if "stage" in d
                 else f"{d['path']}:{d['line']} [{d['suite']}]"
             )
-            link = f"  tracking: {d['issue']}" if d["issue"] else "  [red]no tracking issue[/]"
-            out.print(f"  {what}: {d['reason']}{link}")
+            link = f"  tracking: {escape(d['issue'])}" if d["issue"] else "  [red]no tracking issue[/]"
+            out.print(f"  {escape(what)}: {escape(d['reason'])}{link}")
