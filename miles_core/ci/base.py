@@ -232,6 +232,8 @@ class GPUHardware(CIHardware):
     visible_devices_env: str = "CUDA_VISIBLE_DEVICES"
     driver_probe: str = "nvidia-smi"
     device_options: tuple[str, ...] = ()
+    #: Python expression (torch imported) counting the GPUs tests will see
+    device_count: str = "torch.cuda.device_count()"
 
     label_gated = True
     uses_gpus = True
@@ -293,7 +295,7 @@ class GPUHardware(CIHardware):
             "fi\n"
             "python3 - \"$GPUS\" <<'PY'\n"
             "import os, sys, torch\n"
-            "want, have = int(sys.argv[1]), torch.cuda.device_count()\n"
+            f"want, have = int(sys.argv[1]), {self.device_count}\n"
             f"print(f'{{have}} GPUs visible; {env_var}={{os.environ.get(\"{env_var}\")!r}}')\n"
             "sys.exit(0 if have == want else f'the runner exposes {have} GPUs, the suite needs {want}')\n"
             "PY\n"

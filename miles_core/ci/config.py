@@ -94,11 +94,13 @@ def closest(name: str, candidates: Sequence[str]) -> str:
 
 
 def find_root(start: Path) -> Path:
-    """The nearest directory at or above ``start`` holding a pyproject.toml (else ``start``)."""
-    for candidate in (start, *start.parents):
-        if (candidate / "pyproject.toml").is_file():
-            return candidate
-    return start
+    """The nearest directory at or above ``start`` whose pyproject.toml has ``[tool.miles.ci]``,
+    else the nearest holding any pyproject.toml, else ``start``."""
+    projects = [d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()]
+    for directory in projects:
+        if "[tool.miles.ci" in (directory / "pyproject.toml").read_text(encoding="utf-8"):
+            return directory
+    return projects[0] if projects else start
 
 
 def load_config(root: Path, config: Path | None = None) -> CIConfig:

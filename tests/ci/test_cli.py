@@ -6,7 +6,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 @pytest.fixture
@@ -114,7 +114,9 @@ def test_root_and_config_on_the_group_or_the_subcommand(populated, cli, tmp_path
         result = cli(*args)
         assert result.code == 2  # the registrations of gpu-old use register_cuda_ci on a cpu suite
         assert "suite 'gpu-old' runs on cpu, but register_cuda_ci registers for cuda" in result.err
-    monkeypatch.chdir(populated.root / "tests")  # the root is found upwards from the working directory
+    # the root is found upwards from the working directory, skipping projects without suites
+    populated.write("tests/sub/pyproject.toml", '[project]\nname = "nested"\n')
+    monkeypatch.chdir(populated.root / "tests" / "sub")
     assert cli("ci", "list", "--json").json()["root"] == str(populated.root)
 
 

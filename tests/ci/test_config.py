@@ -7,7 +7,7 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 HEAD = (
     '[project]\nname = "demo"\n\n[tool.miles.ci]\npaths = ["tests"]\n\n[tool.miles.ci.labels]\ngpu = "g"\n\n'

@@ -39,7 +39,13 @@ def _report(catalog, suite: str) -> RunReport:
 
 
 def test_statuses_exit_code_junit_and_drift(tree, cli, tmp_path) -> None:
-    tree.test_file("tests/test_pass.py", 'register_cpu_ci(100, "integration")')
+    stray = tmp_path / "stray.pid"
+    leaves_a_process = (
+        "import subprocess\n\n"
+        "def test_ok():\n"
+        f"    open({str(stray)!r}, 'w').write(str(subprocess.Popen(['sleep', '300']).pid))\n"
+    )
+    tree.test_file("tests/test_pass.py", 'register_cpu_ci(100, "integration")', leaves_a_process)
     tree.test_file("tests/test_fail.py", 'register_cpu_ci(1, "integration")', FAILING)
     tree.test_file("tests/test_collect.py", 'register_cpu_ci(1, "integration")', COLLECTION_ERROR)
     tree.test_file("tests/test_empty.py", 'register_cpu_ci(1, "integration")', "X = 1\n")
@@ -71,6 +77,7 @@ def test_statuses_exit_code_junit_and_drift(tree, cli, tmp_path) -> None:
         "tests/test_collect.py": "error",
         "tests/test_empty.py": "no-tests",
     }
+    assert not _alive(int(stray.read_text())), "a process the passing file left behind survived"
     passed = next(r for r in data["results"] if r["path"] == "tests/test_pass.py")
     assert passed["drifted"] and passed["drift"] < 0.5 and passed["timeout"] == 125.0
     assert data["disabled"] == [
