@@ -291,7 +291,7 @@ def run_command(
         for line in result_lines(report):
             say(line)
     elif not list_only:
-        say("nothing selected: exit 0")
+        say("nothing selected: exit 0" if not selection.selected else "no files in this partition: exit 0")
     if junit is not None and not list_only:
         from miles_core.ci.junit import write_junit
 

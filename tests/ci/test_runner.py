@@ -3,7 +3,6 @@ limited to the hardware's retriable classes, exit codes, JUnit and drift reporti
 
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -32,6 +31,11 @@ def _alive(pid: int) -> bool:
     return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def run_integration(cli, tree, *args: str):
+    """``miles ci run`` on the tree's ``integration`` suite."""
+    return cli("ci", "run", "--root", str(tree.root), "--hw", "cpu", "--suite", "integration", *args)
+
+
 def _report(catalog, suite: str) -> RunReport:
     selection = select(catalog, "cpu", suite, resolve_labels(catalog), "regular")
     plan = plan_shards([(r.path, r.est_time) for r in selection.selected], 1)
@@ -53,21 +57,7 @@ def test_statuses_exit_code_junit_and_drift(tree, cli, tmp_path) -> None:
         "tests/test_off.py", 'register_cpu_ci(1, "integration", disabled="needs a fix", issue="#4")', FAILING
     )
     junit = tmp_path / "out" / "junit.xml"
-    result = cli(
-        "ci",
-        "run",
-        "--root",
-        str(tree.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "integration",
-        "--junit",
-        str(junit),
-        "--json",
-        "--",
-        *LEAN,
-    )
+    result = run_integration(cli, tree, "--junit", str(junit), "--json", "--", *LEAN)
     assert result.code == 1
     data = result.json()
     statuses = {r["path"]: r["status"] for r in data["results"]}
@@ -158,49 +148,11 @@ def test_retries_only_failure_classes_the_hardware_declares(tree, tmp_path) -> N
 
 def test_pytest_arguments_pass_through(tree, cli) -> None:
     tree.test_file("tests/test_pass.py", 'register_cpu_ci(2, "integration")')
-    ok = cli(
-        "ci",
-        "run",
-        "--root",
-        str(tree.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "integration",
-        "--json",
-        "--",
-        *LEAN,
-        "-q",
-    )
+    ok = run_integration(cli, tree, "--json", "--", *LEAN, "-q")
     assert ok.code == 0 and ok.json()["results"][0]["status"] == "passed"
-    none = cli(
-        "ci",
-        "run",
-        "--root",
-        str(tree.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "integration",
-        "--json",
-        "--",
-        *LEAN,
-        "-k",
-        "no_such_test",
-    )
+    none = run_integration(cli, tree, "--json", "--", *LEAN, "-k", "no_such_test")
     assert none.code == 0 and none.json()["results"][0]["status"] == "deselected"
-    junitxml = cli(
-        "ci",
-        "run",
-        "--root",
-        str(tree.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "integration",
-        "--",
-        "--junitxml=x.xml",
-    )
+    junitxml = run_integration(cli, tree, "--", "--junitxml=x.xml")
     assert junitxml.code == 2 and "pass --junit PATH to miles ci run" in junitxml.err
 
 
@@ -229,36 +181,10 @@ def test_summary_file_is_markdown_with_disabled_entries(tree, cli, tmp_path) -> 
     tree.test_file("tests/test_off.py", 'register_cpu_ci(2, "integration", disabled="broken on 3.12")')
     summary = tmp_path / "summary.md"
     summary.write_text("earlier step\n")
-    result = cli(
-        "ci",
-        "run",
-        "--root",
-        str(tree.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "integration",
-        "--summary",
-        str(summary),
-        "--",
-        *LEAN,
-    )
+    result = run_integration(cli, tree, "--summary", str(summary), "--", *LEAN)
     assert result.code == 0
     text = summary.read_text()
     assert text.startswith("earlier step\n### integration (cpu), partition 0/1")
     assert "| `tests/test_pass.py` | passed | 1 |" in text
     assert "- disabled tests/test_off.py:3: broken on 3.12" in text
-    assert json.loads(
-        cli(
-            "ci",
-            "run",
-            "--root",
-            str(tree.root),
-            "--hw",
-            "cpu",
-            "--suite",
-            "integration",
-            "--list-only",
-            "--json",
-        ).out
-    )["files"]
+    assert run_integration(cli, tree, "--list-only", "--json").json()["files"]
