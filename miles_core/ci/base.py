@@ -14,12 +14,12 @@ discovery time.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 #: how a test file run can end badly; hardware kinds declare which of these they retry
-FailureClass = Literal["failed", "error", "no-tests", "timeout", "crash"]
 FAILURE_CLASSES: tuple[str, ...] = ("failed", "error", "no-tests", "timeout", "crash")
 
 #: when a stage runs: ``regular`` (pull requests, pushes, manual runs) and ``nightly`` (schedule)
@@ -212,6 +212,8 @@ class CIHardware:
         if unknown:
             problems.append(f"unknown retriable failure class(es) {unknown}; known: {list(FAILURE_CLASSES)}")
         for suite in self.default_suites:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", suite.name):
+                problems.append(f"default suite name {suite.name!r} is not lowercase letters, digits and '-'")
             if suite.hardware != self.name:
                 problems.append(f"default suite {suite.name!r} names hardware {suite.hardware!r}")
             problems.extend(f"default suite {suite.name!r}: {p}" for p in self.check_suite(suite))

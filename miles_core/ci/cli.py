@@ -9,12 +9,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from miles_core.ci.base import CADENCES
 from miles_core.cli._output import emit_json
 from miles_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles_core.ci.catalog import Catalog
+    from miles_core.ci.selection import Selection
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,11 +37,12 @@ def _tree_options(function: F) -> F:
         "root",
         type=click.Path(file_okay=False, exists=True, path_type=Path),
         default=None,
-        help="Tree to work on (default: the nearest directory holding a pyproject.toml).",
+        help="Tree to work on (default: the nearest directory above the working directory whose "
+        "pyproject.toml has [tool.miles.ci]).",
     )(function)
 
 
-def _catalog(root: Path | None, config: Path | None):
+def _catalog(root: Path | None, config: Path | None) -> Catalog:
     from miles_core.ci.catalog import load_catalog
     from miles_core.ci.config import find_root
 
@@ -71,7 +77,7 @@ _pr_labels_option = click.option(
 )
 _cadence_option = click.option(
     "--cadence",
-    type=click.Choice(["regular", "nightly"]),
+    type=click.Choice(list(CADENCES)),
     default="regular",
     show_default=True,
     help="nightly also selects nightly-only files and every label.",
@@ -119,8 +125,8 @@ def list_command(
 
 
 def _selection(
-    catalog: Any, hardware: str, suite: str, labels: tuple[str, ...], pr_labels: str | None, cadence: str
-):
+    catalog: Catalog, hardware: str, suite: str, labels: tuple[str, ...], pr_labels: str | None, cadence: str
+) -> Selection:
     from miles_core.ci.selection import resolve_labels, select
 
     return select(catalog, hardware, suite, resolve_labels(catalog, labels, pr_labels), cadence)

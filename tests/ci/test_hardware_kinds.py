@@ -87,6 +87,9 @@ def test_verify_rejects_bad_retry_classes_and_default_suites() -> None:
     bad_suite = Suite(name="s", hardware="tpu", runs_on=("self-hosted",), gpus=0, labels=("x",))
     with pytest.raises(ValueError, match="default suite 's': gpus = 0, but tpu suites need at least 1 GPU"):
         kind("good", default_suites=(bad_suite,)).verify()
+    badly_named = Suite(name="Stage A", hardware="tpu", runs_on=("self-hosted",), gpus=1, labels=("x",))
+    with pytest.raises(ValueError, match="default suite name 'Stage A' is not lowercase"):
+        kind("good", default_suites=(badly_named,)).verify()
     cpu_marker_on_gpu = dataclasses.replace(CPU, name="cpu2", marker=f"{__name__}:good")
     with pytest.raises(ValueError, match="of non-GPU hardware accepts \\['num_gpus'\\]"):
         cpu_marker_on_gpu.verify()
