@@ -40,6 +40,8 @@ RUN_COMMAND = (
     'python3 -m miles_core ci run --hw "$MILES_CI_HARDWARE" --suite "$MILES_CI_SUITE" '
     '--partition "$MILES_CI_PARTITION" --cadence "$MILES_CI_CADENCE" --pr-labels "$MILES_CI_PR_LABELS"'
 )
+# in the workspace: inside a job container, runner.temp names the host's path, not the container's
+JUNIT = "miles-ci-junit.xml"
 COMMON_INPUTS: dict[str, dict[str, Any]] = {
     "suite": {"type": "string", "required": True, "description": "suite (stage) to run"},
     "partition": {"type": "number", "required": True, "description": "0-based shard index"},
@@ -77,7 +79,7 @@ def steps(kind: CIHardware, catalog: Catalog) -> list[dict[str, Any]]:
             "name": "Run tests",
             "id": "run",
             **({"env": secrets} if secrets else {}),
-            "run": f'{RUN_COMMAND} --junit "$RUNNER_TEMP/junit.xml" --summary "$GITHUB_STEP_SUMMARY"\n',
+            "run": f'{RUN_COMMAND} --junit {JUNIT} --summary "$GITHUB_STEP_SUMMARY"\n',
         },
         {
             "name": "Upload JUnit report",
@@ -86,7 +88,7 @@ def steps(kind: CIHardware, catalog: Catalog) -> list[dict[str, Any]]:
             "uses": pinned("actions/upload-artifact"),
             "with": {
                 "name": "junit-${{ inputs.suite }}-${{ inputs.partition }}",
-                "path": "${{ runner.temp }}/junit.xml",
+                "path": JUNIT,
                 "if-no-files-found": "ignore",
             },
         },
