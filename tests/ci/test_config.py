@@ -7,7 +7,7 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 HEAD = (
     '[project]\nname = "demo"\n\n[tool.miles.ci]\npaths = ["tests"]\n\n[tool.miles.ci.labels]\ngpu = "g"\n\n'
@@ -161,3 +161,38 @@ def test_hardware_settings_override_kind_defaults_per_key(tree) -> None:
     settings = tree.catalog().settings("cuda")
     assert settings.install == ("make gpu",)
     assert settings.image == "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel"
+
+
+@pytest.mark.parametrize(
+    ("top", "extra", "fragment"),
+    [
+        ("timeout-base = 0", "", "[tool.miles.ci] timeout-base: must be a positive number of seconds, got 0"),
+        ('nightly-cron = "daily"', "", "[tool.miles.ci] nightly-cron: must be a 5-field cron expression"),
+        (
+            'secrets = ["hf_token", "GITHUB_TOKEN"]',
+            "",
+            "secret names are UPPER_SNAKE_CASE and not GITHUB_*, got ['hf_token', 'GITHUB_TOKEN']",
+        ),
+        ('paths = "tests"', "", "[tool.miles.ci] paths: must be a list of non-empty strings"),
+        ("", '[tool.miles.ci.labels]\nall = "every"\n', "[tool.miles.ci.labels] all: 'all' is reserved"),
+        ("", '[tool.miles.ci.labels]\nGPU = "g"\n', "label names are lowercase letters, digits and '-'"),
+        (
+            "",
+            '[tool.miles.ci.labels]\nfast = ""\n',
+            "[tool.miles.ci.labels] fast: must be a non-empty description string",
+        ),
+        (
+            "",
+            '[tool.miles.ci.hardware.cpu]\nimage = 3\ninstal = ["x"]\n',
+            "[tool.miles.ci.hardware.cpu] instal: unknown key (did you mean 'install'?)",
+        ),
+        (
+            "",
+            '[tool.miles.ci.suites.Stage_A]\nhardware = "cpu"\nruns-on = ["x"]\n',
+            "suite names are lowercase letters, digits and '-'",
+        ),
+    ],
+)
+def test_top_level_labels_hardware_and_suite_names(tree, top: str, extra: str, fragment: str) -> None:
+    text = '[project]\nname = "demo"\n\n[tool.miles.ci]\n' + top + "\n\n" + extra + "\n" + CPU_SUITE
+    assert fragment in load_error(tree, text)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from miles_core.ci.register import register_cpu_ci
 from miles_core.ci.sharding import greedy_shards, lower_bound, plan_shards
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 items_strategy = st.lists(st.integers(min_value=1, max_value=2000), min_size=0, max_size=60).map(
     lambda times: [(f"tests/test_{i:03d}.py", float(t)) for i, t in enumerate(times)]

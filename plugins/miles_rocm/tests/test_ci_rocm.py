@@ -15,7 +15,7 @@ from miles_core.ci.workflows import generate
 from miles_core.errors import ConfigError
 from miles_core.plugins import MilesPluginManager
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 HEADER = "from miles_rocm.ci import register_rocm_ci\n\n"
 
