@@ -52,19 +52,8 @@ def test_list_shows_every_disabled_stage_and_file_with_reason_and_link(populated
 
 
 def test_plan_json_is_deterministic_and_complete(populated, cli) -> None:
-    args = (
-        "ci",
-        "plan",
-        "--root",
-        str(populated.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "unit",
-        "--partitions",
-        "3",
-        "--json",
-    )
+    root = ("--root", str(populated.root))
+    args = ("ci", "plan", *root, "--hw", "cpu", "--suite", "unit", "--partitions", "3", "--json")
     first = cli(*args)
     assert first.code == 0
     data = first.json()
@@ -84,18 +73,8 @@ def test_plan_json_is_deterministic_and_complete(populated, cli) -> None:
 
 
 def test_run_partitions_split_the_selection(populated, cli) -> None:
-    base = (
-        "ci",
-        "run",
-        "--root",
-        str(populated.root),
-        "--hw",
-        "cpu",
-        "--suite",
-        "unit",
-        "--list-only",
-        "--json",
-    )
+    root = ("--root", str(populated.root))
+    base = ("ci", "run", *root, "--hw", "cpu", "--suite", "unit", "--list-only", "--json")
     parts = [cli(*base, "--partition", f"{i}/2").json() for i in range(2)]
     files = [f["path"] for part in parts for f in part["files"]]
     assert sorted(files) == [f"tests/test_u{i}.py" for i in range(6)]
