@@ -50,6 +50,7 @@ class AdditionTask:
         default_factory=lambda: SandboxReward(name="first-token-digit", program=FIRST_TOKEN_CHECKER)
     )
     has_accuracy: bool = True
+    tools: tuple = ()
 
     def prompts(self) -> list[Prompt]:
         return addition_prompts()

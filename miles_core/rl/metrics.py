@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+
 def is_timing(key: str) -> bool:
     """Metrics that depend on wall time, hence differ between otherwise identical runs."""
     return key.startswith("time_") or key.endswith("_per_s") or key == "elapsed_s"
@@ -66,7 +67,8 @@ class Progress:
         if not enabled:
             return
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
 
         self._bar = Bar(
             TextColumn("[bold]train"),

@@ -82,14 +82,13 @@ class Runtime:
             raise errors[0]
 
 
-def build_rollout(config: TrainConfig, engine: Any, tokenizer: Any, aio: BackgroundLoop, pm: Any,
-                  closers: list[Any]) -> tuple[Any, str]:
-    direct = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
+def build_rollout(config: TrainConfig, task: Task, engine: Any, tokenizer: Any, model_dir: Path,
+                  aio: BackgroundLoop, pm: Any, closers: list[Any]) -> tuple[Any, str]:
     if config.rollout.path == "direct":
-        return direct, "direct"
+        return DirectRollout(engine, tokenizer, config.rollout, config.run.seed), "direct"
     from miles_core.rl.rollout.agentic import AgenticRollout
 
-    agentic = AgenticRollout.start(config, engine, tokenizer, aio, pm)
+    agentic = AgenticRollout.start(config, engine, tokenizer, aio, pm, model_dir, getattr(task, "tools", ()))
     closers.append(agentic.close)
     return agentic, f"session_{config.rollout.session_version}"
 
@@ -126,7 +125,7 @@ def build_inprocess(config: TrainConfig, pm: Any) -> Runtime:
     try:
         rewards = RewardRunner(reward, config.reward, pm, aio)
         closers.append(rewards.close)
-        rollout, via = build_rollout(config, engine, tokenizer, aio, pm, closers)
+        rollout, via = build_rollout(config, task, engine, tokenizer, model_dir, aio, pm, closers)
     except BaseException:
         for close in reversed(closers):
             close()

@@ -84,6 +84,21 @@ class SandboxReward:
         return out
 
 
+@dataclass(frozen=True)
+class SandboxTool:
+    """A tool an agentic episode may call; it runs in the sandbox: ``python3 PROGRAM ARGS_JSON``
+    prints the tool's result (the text the model sees as the tool message)."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]  # JSON schema of the arguments object
+    program: str
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": dict(self.parameters)}}
+
+
 @runtime_checkable
 class Task(Protocol):
     """An RL task contributed through ``miles_tasks``."""
@@ -94,6 +109,8 @@ class Task(Protocol):
     reward: SandboxReward | RewardFn
     #: whether "greedy accuracy" (share of prompts whose greedy completion scores 1) is meaningful
     has_accuracy: bool
+    #: tools agentic episodes may call (optional; an empty tuple when absent)
+    tools: tuple[SandboxTool, ...]
 
     def prompts(self) -> Sequence[Prompt]: ...
 
