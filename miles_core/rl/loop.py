@@ -177,7 +177,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
         runtime.trainer.load(checkpoint)
         restore_rng(checkpoint)
         sampler.restore(state.cursor)
-        version = runtime.engine.update_weights(runtime.trainer.engine_weights(), state.weight_version)
+        version = runtime.sync_weights(state.weight_version)
         metrics.truncate_after(state.step)
         first_step = state.step + 1
     records = metrics.read()
@@ -210,7 +210,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
             with timer.time("train"):
                 stats = runtime.trainer.train(docs)
             with timer.time("sync"):
-                version = runtime.engine.update_weights(runtime.trainer.engine_weights(), f"step-{step + 1}")
+                version = runtime.sync_weights(f"step-{step + 1}")
 
             step_time = time.perf_counter() - step_started
             generated = sum(t.generated_tokens for t in trajectories)

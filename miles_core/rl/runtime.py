@@ -71,6 +71,10 @@ class Runtime:
     rollout_via: str  # labels the rollout entry of the time split
     closers: list[Any] = field(default_factory=list)
 
+    def sync_weights(self, version: str) -> str:
+        """Copy the trainer's weights into the engine as ``version``; returns the engine's version."""
+        return self.engine.update_weights(self.trainer.engine_weights(), version)
+
     def close(self) -> None:
         errors = []
         for close in reversed(self.closers):

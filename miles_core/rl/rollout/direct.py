@@ -46,8 +46,11 @@ class DirectRollout:
         return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k, seed=seed)
 
-    def run(self, prompts: Sequence[Prompt], step: int, *, greedy: bool = False) -> list[Trajectory]:
-        """One completion per prompt (the caller repeats prompts for groups), in order."""
+    def run(self, prompts: Sequence[Prompt], step: int, *, greedy: bool = False, first_index: int = 0) -> list[Trajectory]:
+        """One completion per prompt (the caller repeats prompts for groups), in order.
+
+        Sample ``i`` is seeded by ``(run seed, step, first_index + i)``: splitting a batch across
+        workers (``first_index`` = the slice's offset) samples exactly the same tokens."""
         from miles_core.engine.base import GenerationRequest
 
         requests = [
@@ -55,7 +58,7 @@ class DirectRollout:
                 input_ids=self.prompt_ids(p),
                 sampling=self.sampling(greedy=greedy, seed=None if greedy else sample_seed(self.run_seed, step, i)),
             )
-            for i, p in enumerate(prompts)
+            for i, p in enumerate(prompts, start=first_index)
         ]
         completions = self.engine.generate(requests)
         return [self._trajectory(p, c) for p, c in zip(prompts, completions, strict=True)]
