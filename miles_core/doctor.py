@@ -20,6 +20,7 @@ Status = Literal["ok", "fail", "skip", "info"]
 CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("plugins", "miles_core.doctor:check_plugins"),
     ("ci", "miles_core.ci.doctor:check"),
+    ("train", "miles_core.rl.doctor:check"),
 )
 
 

@@ -55,3 +55,12 @@ def test_resolve_reward():
                         ("miles_core.rl.builtin:FIRST_TOKEN_CHECKER", "neither")]:
         with pytest.raises(ConfigError, match=needle):
             resolve_reward(bad)
+
+
+def test_doctor_reports_tasks_presets_and_dependencies(miles_pm_factory):
+    from miles_core.rl.doctor import check
+
+    results = {r.item: r for r in check(miles_pm_factory(builtins=True))}
+    assert results["task arith-add"].status == "ok" and "55 prompts" in results["task arith-add"].detail
+    assert {"preset tiny", "preset small-gpu", "module transformers", "module ray"} <= results.keys()
+    assert not results["module ray"].required
