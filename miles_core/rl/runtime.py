@@ -114,7 +114,7 @@ def build_inprocess(config: TrainConfig, pm: Any) -> Runtime:
     trainer = trainer_class(config.trainer.backend)(model_dir, config, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     aio = BackgroundLoop()
-    closers: list[Any] = [aio.close]
+    closers: list[Any] = [getattr(trainer, "close", lambda: None), aio.close]
     engine = Engine.from_pretrained(
         model_dir,
         EngineConfig(

@@ -118,6 +118,9 @@ class TrainerWorker:
 
         return get_plugin_manager().fingerprint()
 
+    def close(self) -> None:
+        getattr(self.trainer, "close", lambda: None)()
+
     def report(self) -> dict[str, Any]:
         return self.trainer.report
 
@@ -290,6 +293,7 @@ def build_ray(config: TrainConfig, pm: Any) -> Runtime:
         engine_actor = actor(EngineWorker, 0, "rollout", orch.num_gpus_engine).remote(
             config, model_dir, expected, len(task.prompts()))
         closers.append(lambda: ray.get(engine_actor.close.remote()))
+        closers.append(lambda: ray.get(trainer_actor.close.remote()))
         report = ray.get(trainer_actor.report.remote())
         trainer_print, engine_print = ray.get([trainer_actor.fingerprint.remote(), engine_actor.fingerprint.remote()])
         if trainer_print["applied_patches"] != engine_print["applied_patches"]:
