@@ -52,5 +52,5 @@ def test_megatron_backend_refuses_other_architectures(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     config = load_config(overrides=[{"trainer": {"backend": "megatron"}}])
-    with pytest.raises(ConfigError, match="supports llama models.*'gpt2'"):
+    with pytest.raises(ConfigError, match=r"supports llama models.*'gpt2'"):
         MegatronTrainer(tmp_path, config, torch.device("cpu"))

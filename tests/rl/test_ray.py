@@ -46,5 +46,5 @@ def test_fingerprint_mismatch_is_refused(miles_pm_factory):
     expected = pm.fingerprint()
     assert check_fingerprint(expected, "trainer")["digest"] == expected["digest"]
     tampered = {**expected, "digest": "0" * 64, "plugins": [*expected["plugins"], ["miles-extra", "x", "1", "ok"]]}
-    with pytest.raises(FingerprintMismatch, match="trainer worker loaded different plugins.*miles-extra"):
+    with pytest.raises(FingerprintMismatch, match=r"trainer worker loaded different plugins.*miles-extra"):
         check_fingerprint(tampered, "trainer")
