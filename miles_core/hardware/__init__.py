@@ -1,0 +1,43 @@
+"""Hardware backends: one explicit concern for everything that differs between platforms.
+
+Public API::
+
+    from miles_core.hardware import activate
+
+    hw = activate()                  # select -> apply fixes -> verify, once per process
+    hw.device                        # torch.device to compute on
+    hw.distributed_backend           # "gloo", "nccl", ...
+    hw.worker_env("train")           # env vars for a Ray worker
+    hw.supports("mm_out_dtype_fp32") # ask about capabilities, never about platforms
+
+Backends implement :class:`miles_core.hardware.base.HardwareBackend`; selection rules are in
+:mod:`miles_core.hardware.selection`. Importing this package does not import torch.
+"""
+
+from miles_core.hardware.activation import ActiveHardware, activate, reset
+from miles_core.hardware.base import (
+    CAPABILITIES,
+    ENV_OVERRIDE,
+    WORKER_ROLES,
+    CheckpointIOPolicy,
+    Detection,
+    FixReport,
+    HardwareBackend,
+)
+from miles_core.hardware.selection import Selection, SelectionError, select_backend
+
+__all__ = [
+    "CAPABILITIES",
+    "ENV_OVERRIDE",
+    "WORKER_ROLES",
+    "ActiveHardware",
+    "CheckpointIOPolicy",
+    "Detection",
+    "FixReport",
+    "HardwareBackend",
+    "Selection",
+    "SelectionError",
+    "activate",
+    "reset",
+    "select_backend",
+]

@@ -1,0 +1,41 @@
+"""The cpu backend: the embedded default, claimed whenever torch sees no GPU."""
+
+from __future__ import annotations
+
+from miles_core.hardware.base import CheckpointIOPolicy, Detection, FixReport, HardwareBackend, torch_build
+from miles_core.hardware.megatron_cpu import MegatronCpuFixes
+
+
+class CpuBackend(HardwareBackend):
+    name = "cpu"
+    device_type = "cpu"
+    distributed_backend = "gloo"
+    visible_devices_env = None
+    ray_noset_envs = ()
+    capabilities = frozenset()
+    ci_marker = "register_cpu_ci"
+    ci_suites = ("stage-a-cpu", "stage-b-cpu")
+    checkpoint_io = CheckpointIOPolicy("host-only", "tensors already live in host memory")
+
+    def __init__(self) -> None:
+        self._megatron = MegatronCpuFixes()
+
+    def detect(self) -> Detection:
+        import torch
+
+        if torch.cuda.is_available():
+            return Detection(False, f"{torch_build()} sees {torch.cuda.device_count()} GPU(s)")
+        return Detection(True, f"{torch_build()} sees no GPU")
+
+    def device_count(self) -> int:
+        return 1
+
+    def apply(self) -> list[FixReport]:
+        return [self._megatron.apply()]
+
+    def revert(self) -> None:
+        self._megatron.revert()
+
+    def verify(self) -> None:
+        super().verify()
+        self._megatron.verify()
