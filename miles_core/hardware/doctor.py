@@ -5,13 +5,16 @@ from __future__ import annotations
 from miles_core.doctor import CheckResult
 from miles_core.errors import MilesError
 from miles_core.hardware.activation import activate
-from miles_core.plugins import MilesPluginManager
+from miles_core.plugins import ENV_DENY, MilesPluginManager
 
 CONCERN = "hardware"
 
 
 def check(pm: MilesPluginManager) -> list[CheckResult]:
     try:
+        if not pm.active_contributions(CONCERN):
+            detail = f"no hardware backend is registered (core-hardware disabled by {ENV_DENY}?)"
+            return [CheckResult(CONCERN, "backend", "skip", detail, required=False)]
         hardware = activate(pm)
     except MilesError as exc:
         return [CheckResult(CONCERN, "backend", "fail", str(exc))]
