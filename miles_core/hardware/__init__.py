@@ -11,20 +11,31 @@ Public API::
     hw.supports("mm_out_dtype_fp32") # ask about capabilities, never about platforms
 
 Backends implement :class:`miles_core.hardware.base.HardwareBackend`; selection rules are in
-:mod:`miles_core.hardware.selection`. Importing this package does not import torch.
+:mod:`miles_core.hardware.selection`. Importing this package does not import torch, and the names
+below load their module on first use, so plugin discovery (which imports ``...hardware.base``)
+does not pay for activation code.
 """
 
-from miles_core.hardware.activation import ActiveHardware, activate, reset
-from miles_core.hardware.base import (
-    CAPABILITIES,
-    ENV_OVERRIDE,
-    WORKER_ROLES,
-    CheckpointIOPolicy,
-    Detection,
-    FixReport,
-    HardwareBackend,
-)
-from miles_core.hardware.selection import Selection, SelectionError, select_backend
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ActiveHardware": "activation",
+    "activate": "activation",
+    "reset": "activation",
+    "CAPABILITIES": "base",
+    "ENV_OVERRIDE": "base",
+    "WORKER_ROLES": "base",
+    "CheckpointIOPolicy": "base",
+    "Detection": "base",
+    "FixReport": "base",
+    "HardwareBackend": "base",
+    "Selection": "selection",
+    "SelectionError": "selection",
+    "select_backend": "selection",
+}
 
 __all__ = [
     "CAPABILITIES",
@@ -41,3 +52,22 @@ __all__ = [
     "reset",
     "select_backend",
 ]
+
+if TYPE_CHECKING:
+    from miles_core.hardware.activation import ActiveHardware, activate, reset
+    from miles_core.hardware.base import (
+        CAPABILITIES,
+        ENV_OVERRIDE,
+        WORKER_ROLES,
+        CheckpointIOPolicy,
+        Detection,
+        FixReport,
+        HardwareBackend,
+    )
+    from miles_core.hardware.selection import Selection, SelectionError, select_backend
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

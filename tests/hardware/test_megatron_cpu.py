@@ -14,7 +14,7 @@ from miles_core.hardware.megatron_state import causal_attention_mask, single_ran
 pytest.importorskip("megatron.core")
 
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,7 +30,7 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def train_step(seed: int) -> tuple[float, GPTModel]:
+def train_step(seed: int, mtp_num_layers: int | None = None) -> tuple[float, GPTModel]:
     """One forward+backward of a tiny GPTModel with dropout (so the RNG tracker forks)."""
     with single_rank_parallel_state(seed=seed) as hw:
         config = TransformerConfig(
@@ -40,12 +40,19 @@ def train_step(seed: int) -> tuple[float, GPTModel]:
             use_cpu_initialization=True,
             attention_dropout=0.1,
             hidden_dropout=0.1,
+            mtp_num_layers=mtp_num_layers,
         )
+        layer_spec = get_gpt_layer_local_spec()
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=layer_spec,
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
+            mtp_block_spec=(
+                get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+                if mtp_num_layers
+                else None
+            ),
         ).to(hw.device)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
         positions = torch.arange(SEQ).expand(BATCH, SEQ)
@@ -54,18 +61,20 @@ def train_step(seed: int) -> tuple[float, GPTModel]:
         return loss.mean().item(), model
 
 
-def test_tiny_gpt_model_trains_on_cpu_through_the_backend(miles_pm_factory) -> None:
+@pytest.mark.parametrize("mtp_num_layers", [None, 1], ids=["gpt", "gpt+mtp"])
+def test_tiny_gpt_model_trains_on_cpu_through_the_backend(miles_pm_factory, mtp_num_layers) -> None:
     hardware = activate(miles_pm_factory(builtins=True))
     assert hardware.name == "cpu"
     assert hardware.fix("megatron-cpu").status == "applied"
 
-    loss, model = train_step(seed=3)
+    loss, model = train_step(seed=3, mtp_num_layers=mtp_num_layers)
     params = list(model.parameters())
     assert all(p.device.type == "cpu" for p in params)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
     assert any(p.grad.abs().sum() > 0 for p in params)
     assert torch.isfinite(torch.tensor(loss))
-    assert train_step(seed=3)[0] == loss, "same seed, same loss: the helper seeds every generator"
+    assert train_step(seed=3, mtp_num_layers=mtp_num_layers)[0] == loss, "the helper seeds every generator"
+    assert train_step(seed=4, mtp_num_layers=mtp_num_layers)[0] != loss
     assert not parallel_state.model_parallel_is_initialized()
     assert not torch.distributed.is_initialized()
 

@@ -148,15 +148,16 @@ class CheckpointGuard:
             self._patches.append(patch)
         guarded = [qualname(c) for c in classes if is_guarded(c)]
         version = _megatron_version()
+        checked = f"checked through {len(WRITER_PATHS)} module paths naming the writer"
         if guarded:
             return FixReport(
                 FIX_NAME,
                 "fallback",
                 f"{version} stages checkpoint copies in pinned memory under HIP; "
-                f"forced blocking copies on {', '.join(guarded)}",
+                f"forced blocking copies on {', '.join(guarded)}; {checked}",
             )
         return FixReport(
-            FIX_NAME, "upstream", f"{version} already copies checkpoint tensors blocking under HIP"
+            FIX_NAME, "upstream", f"{version} already copies checkpoint tensors blocking under HIP; {checked}"
         )
 
     def remove(self) -> None:
