@@ -21,14 +21,14 @@ register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 
 class FakeBackend(HardwareBackend):
-    device_type = "cpu"
-    distributed_backend = "gloo"
-    visible_devices_env = None
-    ray_noset_envs = ()
-    capabilities = frozenset()
-    ci_marker = "register_cpu_ci"
-    ci_suites = ("stage-a-cpu",)
-    checkpoint_io = CheckpointIOPolicy("host-only", "fake")
+    device_type = "meta"
+    distributed_backend = "fake"
+    visible_devices_env = "FAKE_VISIBLE_DEVICES"
+    ray_noset_envs = ("RAY_EXPERIMENTAL_NOSET_FAKE_VISIBLE_DEVICES",)
+    capabilities = frozenset({"triton"})
+    ci_marker = "register_fake_ci"
+    ci_suites = ("stage-z-fake",)
+    checkpoint_io = CheckpointIOPolicy("pageable-blocking", "fake")
 
     def __init__(self, name: str, claims: bool = True, verify_error: str | None = None) -> None:
         self.name = name
@@ -166,7 +166,11 @@ def test_activation_applies_then_verifies_and_is_cached(miles_pm_factory) -> Non
     assert activate(pm) is hardware
     assert backend.applied == 1
     assert hardware.fix("x-fix").status == "applied"
-    assert hardware.to_dict()["worker_env"]["train"] == {"MILES_HARDWARE": "x"}
+    assert hardware.to_dict()["worker_env"]["train"] == {
+        "MILES_HARDWARE": "x",
+        "RAY_EXPERIMENTAL_NOSET_FAKE_VISIBLE_DEVICES": "1",
+    }
+    assert hardware.supports("triton") and not hardware.supports("nvml")
 
 
 def test_changing_the_override_reverts_the_previous_backend(miles_pm_factory, monkeypatch) -> None:
