@@ -1,12 +1,13 @@
-"""Make megatron-core usable on CPU: its device query and its CUDA RNG tracker.
+"""Make megatron-core usable on CPU: its device query, its device sync and its CUDA RNG tracker.
 
 megatron-core allocates buffers on ``torch.cuda.current_device()`` (a few hundred call sites),
-and seeds and forks the CUDA generator around dropout and weight init through
-``CudaRNGStatesTracker``. On a CPU-only build of torch both raise "Torch not compiled with CUDA
-enabled". The cpu backend therefore:
+synchronizes the device before its async checkpoint writer forks, and seeds and forks the CUDA
+generator around dropout and weight init through ``CudaRNGStatesTracker``. On a CPU-only build of
+torch all of these raise "Torch not compiled with CUDA enabled". The cpu backend therefore:
 
 * makes ``torch.cuda.current_device()`` return ``torch.device("cpu")``, so every megatron buffer
   is allocated on the host;
+* makes ``torch.cuda.synchronize()`` return at once (there is no device work to wait for);
 * makes ``CudaRNGStatesTracker.fork()`` a no-op (dropout then draws from torch's CPU generator,
   which ``torch.manual_seed`` controls) and ``CudaRNGStatesTracker.add()`` record its seeded
   state on a CPU generator, so ``model_parallel_cuda_manual_seed`` works.
@@ -42,6 +43,10 @@ def _cpu_current_device() -> Any:
     return torch.device("cpu")
 
 
+def _synchronize_nothing(device: Any = None) -> None:
+    return None
+
+
 def _fork_without_device_rng(self: Any, name: str | None = None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
@@ -59,7 +64,7 @@ def _add_without_device_rng(self: Any, name: str, seed: int) -> None:
 
 
 class MegatronCpuFixes:
-    """The two patches above, applied together, verified by behaviour, reversible."""
+    """The patches above, applied together, verified by behaviour, reversible."""
 
     def __init__(self) -> None:
         self._patches: list[AttributePatch] = []
@@ -74,6 +79,7 @@ class MegatronCpuFixes:
             tracker = megatron_random.CudaRNGStatesTracker
             self._patches = [
                 AttributePatch(torch.cuda, "current_device", _cpu_current_device),
+                AttributePatch(torch.cuda, "synchronize", _synchronize_nothing),
                 AttributePatch(tracker, "fork", _fork_without_device_rng),
                 AttributePatch(tracker, "add", _add_without_device_rng),
             ]
@@ -86,7 +92,7 @@ class MegatronCpuFixes:
             patch.revert()
 
     def verify(self) -> None:
-        """Raise unless megatron allocates on the CPU and its RNG tracker seeds and forks there."""
+        """Raise unless megatron allocates and syncs on the CPU and its RNG tracker seeds and forks there."""
         if not megatron_installed():
             return
         import torch
@@ -96,6 +102,7 @@ class MegatronCpuFixes:
         buffer = GlobalMemoryBuffer().get_tensor((2,), torch.float32, "miles-hardware-probe")
         if buffer.device.type != "cpu":
             raise RuntimeError(f"megatron allocates its buffers on {buffer.device}, not on the CPU")
+        torch.cuda.synchronize()
 
         tracker = megatron_random.CudaRNGStatesTracker()
         tracker.add("miles-hardware-probe", 1)

@@ -87,6 +87,8 @@ def test_without_the_fixes_megatron_cannot_run_on_cpu(miles_pm_factory) -> None:
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         megatron_random.CudaRNGStatesTracker().add("probe", 1)
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        torch.cuda.synchronize()
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         CpuBackend().verify()
 
 
