@@ -82,7 +82,7 @@ class ActiveHardware:
             "checkpoint_io": {"d2h_copy": self.checkpoint_io.d2h_copy, "reason": self.checkpoint_io.reason},
             "fixes": {f.name: {"status": f.status, "detail": f.detail} for f in self.fixes},
             "worker_env": {role: self.worker_env(role) for role in WORKER_ROLES},
-            "ci": {"marker": self.backend.ci_marker, "suites": list(self.backend.ci_suites)},
+            "ci_hardware": self.backend.ci_hardware,
         }
 
 

@@ -91,9 +91,9 @@ class HardwareBackend(abc.ABC):
     ray_noset_envs: ClassVar[tuple[str, ...]]
     #: a subset of :data:`CAPABILITIES`
     capabilities: ClassVar[frozenset[str]]
-    #: the CI registration marker for tests that need this hardware, and its suites
-    ci_marker: ClassVar[str]
-    ci_suites: ClassVar[tuple[str, ...]]
+    #: name of the CI hardware kind (``miles_ci_hardware``) whose runners test this backend; the
+    #: kind owns the registration marker and the suites
+    ci_hardware: ClassVar[str]
     checkpoint_io: ClassVar[CheckpointIOPolicy]
 
     @abc.abstractmethod

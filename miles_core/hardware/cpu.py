@@ -13,8 +13,7 @@ class CpuBackend(HardwareBackend):
     visible_devices_env = None
     ray_noset_envs = ()
     capabilities = frozenset()
-    ci_marker = "register_cpu_ci"
-    ci_suites = ("stage-a-cpu", "stage-b-cpu")
+    ci_hardware = "cpu"
     checkpoint_io = CheckpointIOPolicy("host-only", "tensors already live in host memory")
 
     def __init__(self) -> None:

@@ -14,8 +14,7 @@ class CudaBackend(HardwareBackend):
     capabilities = frozenset(
         {"pinned_memory_async_copy", "mm_out_dtype_fp32", "nvml", "triton", "device_graphs"}
     )
-    ci_marker = "register_cuda_ci"
-    ci_suites = ("stage-b-1-gpu-h200",)
+    ci_hardware = "cuda"
     checkpoint_io = CheckpointIOPolicy(
         "pinned-non-blocking", "CUDA stages device-to-host copies in pinned memory, safe across fork"
     )

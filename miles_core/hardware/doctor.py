@@ -41,6 +41,7 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
                 data={"status": fix.status},
             )
         )
+    results.append(_ci_hardware(pm, hardware.backend.ci_hardware, plugin))
     for candidate in selection.candidates:
         verdict = "claims this machine" if candidate.detection.claimed else "declines"
         results.append(
@@ -54,3 +55,17 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
             )
         )
     return results
+
+
+def _ci_hardware(pm: MilesPluginManager, name: str, plugin: str) -> CheckResult:
+    """The CI hardware kind that tests this backend (optional: running does not need it)."""
+    kinds = {c.name: c.obj for c in pm.contributions("ci")}
+    if name not in kinds:
+        detail = (
+            f"no CI hardware kind named {name!r} is registered, so tests for this backend cannot be scheduled"
+        )
+        return CheckResult(CONCERN, "ci-hardware", "fail", detail, required=False, plugin=plugin)
+    marker = getattr(kinds[name], "marker", "?")
+    return CheckResult(
+        CONCERN, "ci-hardware", "ok", f"{name} (marker {marker})", required=False, plugin=plugin
+    )

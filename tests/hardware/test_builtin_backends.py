@@ -82,3 +82,8 @@ def test_an_unparseable_visible_devices_variable_fails_verification(monkeypatch)
 def test_visible_devices_parsing(value: str, parsed: list[str]) -> None:
     assert parse_visible_devices("CUDA_VISIBLE_DEVICES", {"CUDA_VISIBLE_DEVICES": value}) == parsed
     assert parse_visible_devices("CUDA_VISIBLE_DEVICES", {}) is None
+
+
+def test_each_builtin_backend_names_a_registered_ci_kind(miles_pm_factory) -> None:
+    kinds = {c.name for c in miles_pm_factory(builtins=True).contributions("ci")}
+    assert {CpuBackend.ci_hardware, CudaBackend.ci_hardware} <= kinds

@@ -26,8 +26,7 @@ class FakeBackend(HardwareBackend):
     visible_devices_env = "FAKE_VISIBLE_DEVICES"
     ray_noset_envs = ("RAY_EXPERIMENTAL_NOSET_FAKE_VISIBLE_DEVICES",)
     capabilities = frozenset({"triton"})
-    ci_marker = "register_fake_ci"
-    ci_suites = ("stage-z-fake",)
+    ci_hardware = "fake"
     checkpoint_io = CheckpointIOPolicy("pageable-blocking", "fake")
 
     def __init__(self, name: str, claims: bool = True, verify_error: str | None = None) -> None:

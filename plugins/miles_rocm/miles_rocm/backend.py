@@ -46,8 +46,7 @@ class RocmBackend(HardwareBackend):
         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
     )
     capabilities = frozenset({"triton", "device_graphs"})
-    ci_marker = "register_rocm_ci"
-    ci_suites = ("stage-c-4-gpu-mi300x", "stage-c-4-gpu-mi350")
+    ci_hardware = "rocm"  # the CI kind in miles_rocm.ci
     checkpoint_io = CheckpointIOPolicy(
         "pageable-blocking",
         "a process forked after pinned-memory staging segfaults on ROCm (the async checkpoint writer forks)",

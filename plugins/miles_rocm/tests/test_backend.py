@@ -78,6 +78,11 @@ def test_override_selects_rocm_on_this_cpu_machine(pm, monkeypatch) -> None:
     assert hardware.fix("checkpoint-guard").status in ("upstream", "fallback")
 
 
+def test_rocm_names_the_ci_kind_this_plugin_contributes(pm) -> None:
+    kinds = {c.name: c.plugin.name for c in pm.contributions("ci")}
+    assert kinds[RocmBackend.ci_hardware] == "miles-rocm"
+
+
 def test_worker_env_snapshots(no_tuning_exports) -> None:
     backend = RocmBackend()
     train = {

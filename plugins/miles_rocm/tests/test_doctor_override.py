@@ -35,3 +35,4 @@ def test_doctor_reports_rocm_by_override_and_the_guard_status() -> None:
     guard = hardware["checkpoint-guard"]
     assert (guard["status"], guard["data"]["status"]) == ("ok", expected)
     assert backend["data"]["fixes"]["checkpoint-guard"]["status"] == expected
+    assert hardware["ci-hardware"]["detail"] == "rocm (marker miles_rocm.ci:register_rocm_ci)"
