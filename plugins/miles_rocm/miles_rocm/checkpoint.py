@@ -54,7 +54,11 @@ def writer_classes() -> dict[str, type]:
 
 @contextlib.contextmanager
 def simulated_hip() -> Iterator[None]:
-    """Make ``torch.version.hip`` truthy for the block (a no-op on a real HIP build)."""
+    """Make ``torch.version.hip`` truthy for the block (a no-op on a real HIP build).
+
+    It changes a process-wide attribute: use it only where nothing runs concurrently (hardware
+    activation holds its lock; a probe call takes microseconds).
+    """
     original = torch.version.hip
     if not original:
         torch.version.hip = "0.0-simulated"

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from miles_core.hardware.megatron_state import single_rank_parallel_state
 from miles_core.testing.hardware import no_active_hardware  # noqa: F401
+
+if TYPE_CHECKING:
+    import torch
 
 
 def save_async_then_fork(checkpoint_dir: Path, device: torch.device) -> list[bool]:
@@ -19,6 +22,7 @@ def save_async_then_fork(checkpoint_dir: Path, device: torch.device) -> list[boo
 
     Returns the ``non_blocking`` flag of every ``Tensor.to`` made during the save.
     """
+    import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
