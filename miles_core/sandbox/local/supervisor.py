@@ -222,7 +222,7 @@ class Supervisor:
         readers = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
         timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), timeout)
+            await asyncio.wait_for(_exited(proc.pid), timeout)
         except TimeoutError:
             timed_out = True
         _kill_group(proc.pid)  # nothing a foreground command started outlives it
@@ -258,6 +258,23 @@ class Supervisor:
         for sandbox_id in list(self.tracked):
             self._destroy(sandbox_id)
         self.idle.set()
+
+
+async def _exited(pid: int) -> None:
+    """Return when ``pid`` exits. ``Process.wait()`` would also wait for every holder of its
+    output pipes to close them -- descendants included -- which is not the command's end."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # already exited and reaped
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
 
 
 def _kill_group(pgid: int) -> None:
