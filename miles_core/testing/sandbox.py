@@ -76,27 +76,35 @@ def drive(factory: ProviderFactory, body: Callable[[SandboxProvider], Awaitable[
 
 
 class CountingProvider:
-    """Delegates to ``inner`` and counts concurrent ``create`` calls (the concurrency limit)."""
+    """Delegates to ``inner``; counts concurrent ``create`` calls (the concurrency limit), which
+    ``label`` values are inside a create right now, and how long creates take."""
 
-    def __init__(self, inner: SandboxProvider) -> None:
+    def __init__(self, inner: SandboxProvider, label: str = "conformance.call") -> None:
         self.inner = inner
         self.name = inner.name
         self.capabilities = inner.capabilities
+        self.label = label
         self.in_flight = 0
         self.max_in_flight = 0
-        self.started = 0
-        self.completed = 0
+        self.active: set[str] = set()
+        self.durations: list[float] = []
 
     async def create(self, spec: SandboxSpec) -> SandboxRef:
+        tag = spec.labels.get(self.label, "")
         self.in_flight += 1
-        self.started += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.active.add(tag)
+        started = time.perf_counter()
         try:
-            ref = await self.inner.create(spec)
-            self.completed += 1
-            return ref
+            return await self.inner.create(spec)
         finally:
+            self.durations.append(time.perf_counter() - started)
+            self.active.discard(tag)
             self.in_flight -= 1
+
+    def recent_create_s(self, window: int = 32) -> float:
+        recent = self.durations[-window:]
+        return sum(recent) / len(recent) if recent else 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -104,8 +112,8 @@ class CountingProvider:
 
 class InMemoryProvider:
     """A provider double for lifecycle tests: sandboxes are dict entries, creates take
-    ``create_delay_s`` and may be scripted to fail; TTLs expire on the event loop's clock.
-    It runs no commands (``exec`` is unsupported)."""
+    ``create_delay_s`` (the sandbox appears half-way) and may be scripted to fail; TTLs expire
+    on the event loop's clock. It runs no commands (``exec`` is unsupported)."""
 
     name = "memory"
 
@@ -144,13 +152,16 @@ class InMemoryProvider:
         return ImageRef(self.name, spec.name, spec.digest)
 
     async def create(self, spec: SandboxSpec) -> SandboxRef:
+        """Like a remote API: the sandbox exists half-way through the call, before the answer
+        arrives -- a caller cancelled in the second half never learns its id."""
         self.calls.append("create")
-        await asyncio.sleep(self.create_delay_s)
+        await asyncio.sleep(self.create_delay_s / 2)
         if self.failures:
             raise self.failures.pop(0)
         sandbox_id = uuid.uuid4().hex[:12]
         self.live[sandbox_id] = SandboxInfo(sandbox_id, dict(spec.labels))
         self.deadlines[sandbox_id] = self._now() + spec.ttl_s
+        await asyncio.sleep(self.create_delay_s / 2)
         return SandboxRef(sandbox_id, self.name, dict(spec.labels))
 
     async def extend(self, sandbox_id: str, ttl_s: float) -> None:
@@ -214,13 +225,14 @@ async def cancellation_storm(
 ) -> StormReport:
     """Start ``creates`` managed creates, cancel each after a random delay, then count leftovers.
 
-    Delays are drawn from ``[0, max_delay_s]`` (default: three times one measured create), so
-    cancellations land while waiting for a slot, inside the provider's create, and after it.
-    At most ``2 * limit`` creates are outstanding at once so the slot queue stays short.
-    ``left_behind`` lists what the provider still reports for the storm's owner afterwards.
+    Each delay is drawn from ``[0, max_delay_s]``; by default ``max_delay_s`` follows three
+    times the recent provider create time, so cancellations land while waiting for a slot,
+    inside the provider's create, and after it, whatever the provider's speed under load. At
+    most ``2 * limit`` creates are outstanding at once. ``left_behind`` lists what the provider
+    still reports for the storm's owner afterwards.
     """
     rng = random.Random(seed)
-    counting = CountingProvider(provider)
+    counting = CountingProvider(provider, label="storm.call")
     manager = SandboxManager(
         counting,  # type: ignore[arg-type]
         max_concurrent_creates=limit,
@@ -228,20 +240,20 @@ async def cancellation_storm(
         rng=rng,
     )
     spec = spec or SandboxSpec(ttl_s=120)
-    if max_delay_s is None:
-        started = time.perf_counter()
-        await (await manager.create(spec)).destroy()
-        max_delay_s = 3 * (time.perf_counter() - started)
+    await (await manager.create(spec)).destroy()  # a first measurement of create time
     report = StormReport(creates=creates)
     gate = asyncio.Semaphore(2 * limit)
     wall = time.perf_counter()
 
-    async def one() -> None:
+    async def one(call: int) -> None:
+        tag = str(call)
         async with gate:
-            before = counting.started
-            task = asyncio.get_running_loop().create_task(manager.create(spec))
-            await asyncio.sleep(rng.uniform(0, max_delay_s))
-            in_create = counting.in_flight > 0 and counting.started > before
+            task = asyncio.get_running_loop().create_task(
+                manager.create(replace(spec, labels={**spec.labels, "storm.call": tag}))
+            )
+            ceiling = max_delay_s if max_delay_s is not None else 3 * counting.recent_create_s()
+            await asyncio.sleep(rng.uniform(0, ceiling))
+            in_create = tag in counting.active
             task.cancel()
             try:
                 sandbox = await task
@@ -254,7 +266,7 @@ async def cancellation_storm(
             report.completed_for_caller += 1
             await manager.destroy(sandbox)
 
-    await asyncio.gather(*(one() for _ in range(creates)))
+    await asyncio.gather(*(one(call) for call in range(creates)))
     await manager.aclose()
     report.max_in_flight = counting.max_in_flight
     report.left_behind = [i.id for i in await provider.list({LABEL_OWNER: manager.owner.run_id})]

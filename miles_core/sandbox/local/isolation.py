@@ -121,23 +121,23 @@ def child_setup(limits: list[tuple[int, int]], uid: int | None, netns_fd: int | 
 
 
 def kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` at once: ``kill -9 -1`` run *as* that uid.
+    """SIGKILL every process of ``uid`` at once: ``kill(-1, SIGKILL)`` from a child running *as*
+    that uid.
 
-    ``kill(-1)`` reaches every process the caller may signal, atomically with respect to
-    forks, so a fork bomb cannot outrun it. The uid switch happens in C (subprocess's
-    ``user=``), which is safe in a multi-threaded caller.
+    ``kill(-1)`` reaches every process the caller may signal, atomically with respect to forks,
+    so a fork bomb cannot outrun it. The child only makes system calls; still, call this from a
+    single-threaded process (the supervisor), where forking is safe.
     """
-    subprocess.run(
-        ["/bin/sh", "-c", "kill -9 -1"],
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        env={},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        check=False,
-    )
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, 9)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 def kill_marked(marker: bytes) -> int:

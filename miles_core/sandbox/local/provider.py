@@ -32,6 +32,7 @@ from miles_core.sandbox.local.client import SupervisorClient
 from miles_core.sandbox.local.images import DEFAULT_PATH, ensure_image, populate
 from miles_core.sandbox.local.isolation import is_root, network_isolation_available
 from miles_core.sandbox.local.store import MARKER_VAR, Meta, Store, default_root
+from miles_core.sandbox.ownership import process_start_time
 
 SANDBOX_USER = "sandbox"
 
@@ -68,7 +69,6 @@ class LocalProvider:
         self._supervisor: SupervisorClient | None = None
         self._starting: asyncio.Lock | None = None
         self._metas: dict[str, Meta] = {}
-        self.store.reap_expired()
 
     def __repr__(self) -> str:
         return f"LocalProvider(root={str(self.store.root)!r})"
@@ -118,6 +118,7 @@ class LocalProvider:
             limits={name: getattr(spec.limits, name) for name in (*LIMIT_NAMES, "output_bytes")},
             env=dict(spec.env),
             supervisor_pid=client.pid,
+            supervisor_start=process_start_time(client.pid),
         )
         try:
             if is_root():
@@ -126,7 +127,7 @@ class LocalProvider:
             await asyncio.to_thread(populate, image, self.store.workdir(sandbox_id), meta.uid)
             await client.call("track", id=sandbox_id, isolate=self.isolate_network and not spec.network)
         except BaseException:
-            await asyncio.to_thread(self.store.remove, meta)
+            await client.call("destroy", id=sandbox_id)
             raise
         self._metas[sandbox_id] = meta
         return SandboxRef(sandbox_id, self.name, dict(spec.labels), str(self.store.workdir(sandbox_id)))
@@ -135,11 +136,11 @@ class LocalProvider:
         await (await self._client()).call("extend", id=sandbox_id, ttl=ttl_s)
 
     async def destroy(self, sandbox_id: str) -> bool:
-        if self._metas.pop(sandbox_id, None) is not None:
-            reply = await (await self._client()).call("destroy", id=sandbox_id)
-            return bool(reply["existed"])
-        meta = self.store.read_meta(sandbox_id)  # not ours: an orphan found by list()
-        return meta is not None and await asyncio.to_thread(self.store.remove, meta)
+        """Destroy through the supervisor, also for orphans found by ``list()``: killing a
+        sandbox uid's processes forks, which only the single-threaded supervisor may do."""
+        self._metas.pop(sandbox_id, None)
+        reply = await (await self._client()).call("destroy", id=sandbox_id)
+        return bool(reply["existed"])
 
     async def list(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         metas = await asyncio.to_thread(self.store.metas)

@@ -8,8 +8,9 @@ Layout under the root (default ``$TMPDIR/miles-sandbox-<uid>``, or ``MILES_SANDB
     images/<digest>/           finished images (a rename makes them appear whole)
     images/<digest>.lock       serialises builds of one digest across processes
 
-The files *are* the state: listing reads ``meta.json``; any process (the supervisor, a sweep,
-a later provider) can destroy a sandbox from its metadata alone.
+The files *are* the state: listing reads ``meta.json``, and a supervisor can destroy any
+sandbox from its metadata alone (its own, an orphan found by a sweep, or one whose supervisor
+died -- reaped when the next supervisor starts).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from miles_core.errors import ConfigError
 from miles_core.sandbox.errors import SandboxCapacityError
 from miles_core.sandbox.local.isolation import UID_BASE, UID_SLOTS, kill_marked, kill_uid
+from miles_core.sandbox.ownership import process_alive
 
 ENV_ROOT = "MILES_SANDBOX_ROOT"
 MARKER_VAR = "MILES_SANDBOX_ID"
@@ -53,6 +55,7 @@ class Meta:
     limits: dict[str, int]
     env: dict[str, str] = field(default_factory=dict)
     supervisor_pid: int | None = None
+    supervisor_start: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Meta:
@@ -142,7 +145,9 @@ class Store:
         now = time.time() if now is None else now
         reaped = []
         for meta in self.metas():
-            supervised = meta.supervisor_pid is not None and _pid_exists(meta.supervisor_pid)
+            supervised = meta.supervisor_pid is not None and process_alive(
+                meta.supervisor_pid, meta.supervisor_start
+            )
             if meta.expires_at <= now and not supervised:
                 self.remove(meta)
                 reaped.append(meta.id)
@@ -152,16 +157,6 @@ class Store:
 
     def image_dir(self, digest: str) -> Path:
         return self.images / digest
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _private_dir(path: Path) -> None:

@@ -288,7 +288,9 @@ async def serve(root: Path, owner_pid: int) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout)
     writer = asyncio.StreamWriter(transport, protocol, None, loop)
-    supervisor = Supervisor(Store(root), owner_pid, writer)
+    store = Store(root)
+    store.reap_expired()  # sandboxes whose supervisor died before their deadline
+    supervisor = Supervisor(store, owner_pid, writer)
     loop.add_signal_handler(signal.SIGTERM, supervisor.shutdown)
     tasks: set[asyncio.Task[None]] = set()
     watcher = loop.create_task(supervisor.watch_owner())
