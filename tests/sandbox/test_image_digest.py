@@ -51,11 +51,11 @@ def test_canonical_form_hashes_files_instead_of_inlining_them() -> None:
 
 
 def test_bad_recipes_are_rejected_with_the_field() -> None:
-    with pytest.raises(ConfigError, match="ImageSpec.base"):
+    with pytest.raises(ConfigError, match=r"ImageSpec\.base"):
         ImageSpec("")
     with pytest.raises(ConfigError, match=r"ImageSpec.steps\[0\]"):
         ImageSpec("x", ("echo hi",))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="Copy.dest"):
+    with pytest.raises(ConfigError, match=r"Copy\.dest"):
         Copy("../escape", b"")
     with pytest.raises(ConfigError, match="Resources"):
         Resources(cpus=0)
