@@ -10,7 +10,8 @@ from miles_core.sandbox.activation import DEFAULT_PROVIDER, verify_contribution
 
 def check(pm: MilesPluginManager) -> list[CheckResult]:
     """One result per provider. Failing providers fail the doctor: an installed provider that
-    cannot work is a broken install, like a broken plugin."""
+    cannot work is a broken install, like a broken plugin. A deliberately disabled default
+    provider is reported, not failed."""
     results = []
     for contribution in pm.active_contributions("sandbox"):
         plugin = contribution.plugin.name
@@ -28,8 +29,9 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
             CheckResult(
                 "sandbox",
                 DEFAULT_PROVIDER,
-                "fail",
-                "the default provider is not registered (core-sandbox disabled?)",
+                "skip",
+                "the default provider is not registered (core-sandbox disabled?); sandbox commands need --provider",
+                required=False,
             )
         )
     return results

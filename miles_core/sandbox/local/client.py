@@ -82,11 +82,15 @@ class SupervisorClient:
             raise SandboxNotFound(reply["message"], provider="local")
         raise SandboxFatalError(reply["message"], provider="local")
 
-    async def aclose(self, wait_s: float = 5.0) -> None:
-        """Close the pipe: the supervisor stays only as long as sandboxes it tracks live on."""
-        if self.proc.stdin is not None and not self.proc.stdin.is_closing():
-            self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._reader), wait_s)
-        except TimeoutError:
-            log.info("local supervisor %d keeps running until its sandboxes' TTLs", self.pid)
+    async def aclose(self) -> None:
+        """Close the pipe. A supervisor still tracking sandboxes stays, as their TTL keeper;
+        an idle one exits at once and is waited for."""
+        if self._reader.done():
+            return
+        tracked = (await self.call("status"))["tracked"]
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        if tracked:
+            log.info("local supervisor %d stays until the TTLs of %d sandboxes", self.pid, tracked)
+        else:
+            await asyncio.shield(self._reader)

@@ -133,6 +133,9 @@ class Supervisor:
     async def op_ping(self, message: dict[str, Any]) -> dict[str, Any]:
         return {"pid": os.getpid()}
 
+    async def op_status(self, message: dict[str, Any]) -> dict[str, Any]:
+        return {"tracked": len(self.tracked), "running": len(self.running)}
+
     async def op_track(self, message: dict[str, Any]) -> dict[str, Any]:
         meta = self.store.read_meta(message["id"])
         if meta is None:
