@@ -8,7 +8,8 @@ image builds, sweeping orphans -- lives once in :mod:`miles_core.sandbox.lifecyc
 that layer (or :class:`~miles_core.sandbox.pool.SandboxPool`), not providers directly.
 
 Plugins contribute providers through ``miles_sandbox_providers()``, returning
-:class:`SandboxProviderSpec` descriptors: cheap to build, heavy imports only in ``create``.
+:class:`~miles_core.sandbox.spec.SandboxProviderSpec` descriptors (re-exported here): cheap to
+build, heavy imports only in ``create``.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from miles_core.errors import ConfigError
+from miles_core.sandbox.spec import SandboxProviderSpec, check_options
+
+__all__ = ["SandboxProviderSpec", "check_options"]  # re-exported: the hookspec names them here
 
 #: the resource limits a provider may enforce per exec (``Capabilities.limits``)
 LIMIT_NAMES = ("cpu_seconds", "memory_mb", "file_size_mb", "processes", "open_files")
@@ -325,38 +328,3 @@ class SandboxProvider(Protocol):
     async def list(self, labels: Mapping[str, str]) -> list[SandboxInfo]: ...
 
     async def aclose(self) -> None: ...
-
-
-class SandboxProviderSpec(ABC):
-    """What ``miles_sandbox_providers()`` returns: a cheap descriptor of one provider.
-
-    ``options`` documents the config keys :meth:`create` accepts (shown by
-    ``miles sandbox providers``); ``default_base`` is the base image a recipe gets when it names
-    none. :meth:`create` does the heavy imports and validates ``config``,
-    raising :class:`~miles_core.errors.ConfigError` that names the offending key.
-    :meth:`verify` proves the provider's effect/surface (the SDK calls it makes exist with the
-    signatures it uses; the local isolation primitives work) and returns facts for reports.
-    """
-
-    name: str
-    description: str = ""
-    default_base: str = ""
-    options: ClassVar[Mapping[str, str]] = {}
-
-    @abstractmethod
-    def create(self, config: Mapping[str, Any] | None = None) -> SandboxProvider: ...
-
-    @abstractmethod
-    def verify(self) -> dict[str, Any]: ...
-
-
-def check_options(name: str, config: Mapping[str, Any] | None, options: Mapping[str, str]) -> dict[str, Any]:
-    """``config`` as a dict, rejecting keys the provider does not document."""
-    config = dict(config or {})
-    unknown = sorted(set(config) - set(options))
-    if unknown:
-        raise ConfigError(
-            f"sandbox provider {name!r}: unknown option(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(options)) or 'none'}"
-        )
-    return config

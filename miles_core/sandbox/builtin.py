@@ -7,11 +7,14 @@ Importing this module and calling its hook stays cheap: the provider itself is i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
-from miles_core.sandbox.base import SandboxProvider, SandboxProviderSpec, check_options
+from miles_core.sandbox.spec import SandboxProviderSpec, check_options
+
+if TYPE_CHECKING:
+    from miles_core.sandbox.base import SandboxProvider
 
 
 class LocalProviderSpec(SandboxProviderSpec):
