@@ -33,8 +33,9 @@ DEFAULT_KEY = SecretRef.env("E2B_API_KEY")
 AMBIENT = {"api_url": "E2B_API_URL", "sandbox_url": "E2B_SANDBOX_URL"}
 #: prefix of the variables :meth:`E2BConfig.worker_env` forwards
 WORKER_PREFIX = "MILES_E2B_"
-_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$")
-
+_HOST = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$"
+)
 
 
 def _url(value: Any, key: str) -> str:
@@ -77,7 +78,9 @@ class E2BConfig:
         opts = dict(options or {})
         unknown = sorted(set(opts) - set(OPTIONS))
         if unknown:
-            raise ConfigError(f"miles-e2b: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTIONS))}")
+            raise ConfigError(
+                f"miles-e2b: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTIONS))}"
+            )
         preset = str(opts.pop("preset", "cloud"))
         if preset not in ("cloud", "agentenv"):
             raise ConfigError(f"miles-e2b option preset: expected cloud or agentenv, got {preset!r}")
@@ -158,6 +161,8 @@ class E2BConfig:
         """Rebuild the config on a worker from :meth:`worker_env`'s variables."""
         env = os.environ if environ is None else environ
         options = {
-            name[len(WORKER_PREFIX) :].lower(): value for name, value in env.items() if name.startswith(WORKER_PREFIX)
+            name[len(WORKER_PREFIX) :].lower(): value
+            for name, value in env.items()
+            if name.startswith(WORKER_PREFIX)
         }
         return cls.from_options(options)

@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -145,7 +145,9 @@ class _FakeHandle:
     """A command started with ``subprocess`` and polled: the fake server outlives event loops,
     so it holds no loop-bound transports."""
 
-    def __init__(self, server: FakeE2BServer, proc: subprocess.Popen[bytes], timeout: float | None, output: Path) -> None:
+    def __init__(
+        self, server: FakeE2BServer, proc: subprocess.Popen[bytes], timeout: float | None, output: Path
+    ) -> None:
         self.server = server
         self.proc = proc
         self.pid = proc.pid
@@ -163,7 +165,9 @@ class _FakeHandle:
         stdout = (self.output / "stdout").read_bytes().decode(errors="replace")
         stderr = (self.output / "stderr").read_bytes().decode(errors="replace")
         if self.proc.returncode != 0:
-            raise e2b.CommandExitException(stderr=stderr, stdout=stdout, exit_code=self.proc.returncode, error=None)
+            raise e2b.CommandExitException(
+                stderr=stderr, stdout=stdout, exit_code=self.proc.returncode, error=None
+            )
         return e2b.CommandResult(stderr=stderr, stdout=stdout, exit_code=0, error=None)
 
     @recorded("AsyncCommandHandle.kill")
@@ -288,7 +292,9 @@ class _FakeSandbox:
             known = server.idempotency.get(idempotency_key or "")
             state = server.live(known) if known else None
             if state is None:
-                state = cls._new_state(template, timeout, metadata, envs, allow_internet_access, network, opts)
+                state = cls._new_state(
+                    template, timeout, metadata, envs, allow_internet_access, network, opts
+                )
                 if idempotency_key:
                     server.idempotency[idempotency_key] = state.id
             await asyncio.sleep(server.create_latency_s / 2)
@@ -314,7 +320,9 @@ class _FakeSandbox:
             expires_at=time.monotonic() + (timeout or 300),
             domain=opts.get("domain") or "e2b.app",
             allow_internet_access=allow_internet_access,
-            traffic_token=None if (network or {}).get("allow_public_traffic", True) else secrets.token_hex(16),
+            traffic_token=None
+            if (network or {}).get("allow_public_traffic", True)
+            else secrets.token_hex(16),
             template=template,
         )
         state.host_path(state.workdir).mkdir(parents=True, exist_ok=True)
@@ -366,8 +374,8 @@ def _info(state: _State) -> _SdkSandboxInfo:
         template_id=state.template or "base",
         name=state.template,
         metadata=dict(state.metadata),
-        started_at=datetime.fromtimestamp(now, tz=timezone.utc),
-        end_at=datetime.fromtimestamp(now + state.expires_at - time.monotonic(), tz=timezone.utc),
+        started_at=datetime.fromtimestamp(now, tz=UTC),
+        end_at=datetime.fromtimestamp(now + state.expires_at - time.monotonic(), tz=UTC),
         state=e2b.SandboxState.RUNNING,
         cpu_count=1,
         memory_mb=1024,
@@ -381,13 +389,17 @@ class _FakeTemplate:
     server: ClassVar[FakeE2BServer]
 
     @recorded("AsyncTemplate")
-    def __init__(self, file_context_path: str | None = None, file_ignore_patterns: list[str] | None = None) -> None:
+    def __init__(
+        self, file_context_path: str | None = None, file_ignore_patterns: list[str] | None = None
+    ) -> None:
         self.context = Path(file_context_path or ".")
         self.base: str | None = None
         self.instructions: list[tuple[str, Any]] = []
 
     @recorded("AsyncTemplate.from_image")
-    def from_image(self, image: str, username: str | None = None, password: str | None = None) -> _FakeTemplate:
+    def from_image(
+        self, image: str, username: str | None = None, password: str | None = None
+    ) -> _FakeTemplate:
         self.base = image
         return self
 
@@ -407,7 +419,15 @@ class _FakeTemplate:
         return self
 
     @recorded("TemplateBuilder.copy")
-    def copy(self, src: str, dest: str, force_upload: Any = None, user: Any = None, mode: int | None = None, **_: Any) -> _FakeTemplate:
+    def copy(
+        self,
+        src: str,
+        dest: str,
+        force_upload: Any = None,
+        user: Any = None,
+        mode: int | None = None,
+        **_: Any,
+    ) -> _FakeTemplate:
         self.instructions.append(("COPY", (dest, (self.context / src).read_bytes(), mode)))
         return self
 
@@ -432,7 +452,9 @@ class _FakeTemplate:
                 target.write_bytes(content)
                 os.chmod(target, mode or 0o644)
             elif kind == "RUN":
-                done = await asyncio.to_thread(subprocess.run, ["/bin/bash", "-c", arg], cwd=cwd, capture_output=True)
+                done = await asyncio.to_thread(
+                    subprocess.run, ["/bin/bash", "-c", arg], cwd=cwd, capture_output=True
+                )
                 if done.returncode != 0:
                     raise e2b.BuildException(f"step {arg!r} failed: {done.stderr.decode(errors='replace')}")
         if opts.get("on_build_logs"):

@@ -81,7 +81,9 @@ class E2BProvider:
     name = "e2b"
     capabilities = CAPABILITIES
 
-    def __init__(self, config: E2BConfig, *, sdk: ModuleType | Any | None = None, key: Secret | None = None) -> None:
+    def __init__(
+        self, config: E2BConfig, *, sdk: ModuleType | Any | None = None, key: Secret | None = None
+    ) -> None:
         self.config = config
         self.sdk = sdk if sdk is not None else surface.load()
         if sdk is None:
@@ -106,7 +108,9 @@ class E2BProvider:
     @staticmethod
     def _live(ref: SandboxRef) -> _Live:
         if not isinstance(ref.native, _Live):
-            raise SandboxUnsupported(f"sandbox {ref.id} was not created by this provider instance", provider="e2b")
+            raise SandboxUnsupported(
+                f"sandbox {ref.id} was not created by this provider instance", provider="e2b"
+            )
         return ref.native
 
     # -- images -----------------------------------------------------------------------------
@@ -147,7 +151,9 @@ class E2BProvider:
 
     async def create(self, spec: SandboxSpec) -> SandboxRef:
         if spec.image is not None and spec.image.provider != self.name:
-            raise SandboxUnsupported(f"image {spec.image.name} belongs to provider {spec.image.provider!r}", provider="e2b")
+            raise SandboxUnsupported(
+                f"image {spec.image.name} belongs to provider {spec.image.provider!r}", provider="e2b"
+            )
         template = spec.image.name if spec.image is not None else self.config.template
         sandbox = await self._call(
             "create",
@@ -172,7 +178,9 @@ class E2BProvider:
         )
 
     async def destroy(self, sandbox_id: str) -> bool:
-        return bool(await self._call(f"kill {sandbox_id}", self.sdk.AsyncSandbox.kill(sandbox_id, **self._api)))
+        return bool(
+            await self._call(f"kill {sandbox_id}", self.sdk.AsyncSandbox.kill(sandbox_id, **self._api))
+        )
 
     async def list(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         query = self.sdk.SandboxQuery(metadata=dict(labels))
@@ -261,7 +269,9 @@ class E2BProvider:
 
     async def read_file(self, ref: SandboxRef, path: str) -> bytes:
         live = self._live(ref)
-        data = await self._call(f"read {path}", live.sandbox.files.read(self._path(path), format="bytes", user=live.user))
+        data = await self._call(
+            f"read {path}", live.sandbox.files.read(self._path(path), format="bytes", user=live.user)
+        )
         return bytes(data)
 
     async def expose(self, ref: SandboxRef, port: int) -> Endpoint:

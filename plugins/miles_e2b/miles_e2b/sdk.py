@@ -58,7 +58,14 @@ SDK_CALLS: dict[str, tuple[str, ...]] = {
     "TemplateBuilder.set_workdir": ("workdir",),
     "TemplateBuilder.run_cmd": ("command",),
     "TemplateBuilder.copy": ("src", "dest", "mode"),
-    "AsyncTemplate.build": ("template", "name", "cpu_count", "memory_mb", "min_free_disk_mb", "on_build_logs"),
+    "AsyncTemplate.build": (
+        "template",
+        "name",
+        "cpu_count",
+        "memory_mb",
+        "min_free_disk_mb",
+        "on_build_logs",
+    ),
     "AsyncTemplate.exists": ("name",),
 }
 WITH_API_PARAMS = frozenset(
@@ -163,13 +170,17 @@ def check_surface(sdk: ModuleType) -> dict[str, Any]:
         missing = [p for p in params if p not in signature.parameters]
         if missing:
             problems.append(f"{name}: no parameter(s) {missing}")
-        if name in WITH_API_PARAMS and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        if name in WITH_API_PARAMS and not any(
+            p.kind is p.VAR_KEYWORD for p in signature.parameters.values()
+        ):
             problems.append(f"{name}: accepts no connection parameters (**opts)")
     absent = [name for name in EXCEPTIONS if not isinstance(getattr(sdk, name, None), type)]
     if absent:
         problems.append(f"exception classes missing: {absent}")
     if problems:
-        raise RuntimeError(f"the installed e2b {installed} lacks what miles-e2b calls: " + "; ".join(problems))
+        raise RuntimeError(
+            f"the installed e2b {installed} lacks what miles-e2b calls: " + "; ".join(problems)
+        )
     return {"e2b_version": installed, "calls_checked": len(SDK_CALLS), "exceptions_checked": len(EXCEPTIONS)}
 
 

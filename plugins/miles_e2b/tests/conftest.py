@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-
-from miles_core.sandbox.secrets import Secret, SecretRef
 from miles_e2b.config import E2BConfig
 from miles_e2b.fake import FakeE2B, FakeE2BServer
 from miles_e2b.provider import E2BProvider
+
+from miles_core.sandbox.secrets import Secret, SecretRef
 
 KEY = "e2b_" + "ab" * 20
 

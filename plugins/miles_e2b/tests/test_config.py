@@ -6,15 +6,15 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from miles_e2b import sdk
+from miles_e2b.config import E2BConfig
+from miles_e2b.fake import FakeE2BServer
+from miles_e2b.provider import E2BProvider
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 from miles_core.sandbox.base import SandboxSpec
 from miles_core.sandbox.secrets import Secret, SecretRef
-from miles_e2b import sdk
-from miles_e2b.config import E2BConfig
-from miles_e2b.fake import FakeE2BServer
-from miles_e2b.provider import E2BProvider
 
 register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
@@ -77,7 +77,12 @@ def test_ambient_endpoints_are_refused_when_the_config_leaves_them_unset(variabl
 
 def test_worker_env_forwards_endpoints_and_the_key_reference_only() -> None:
     config = E2BConfig.from_options(
-        {"preset": "agentenv", "api_url": "http://h:8000", "domain": "h.sslip.io", "api_key": "file:/etc/e2b/key"}
+        {
+            "preset": "agentenv",
+            "api_url": "http://h:8000",
+            "domain": "h.sslip.io",
+            "api_key": "file:/etc/e2b/key",
+        }
     )
     env = config.worker_env()
     assert env["MILES_E2B_API_KEY"] == "file:/etc/e2b/key"
@@ -88,7 +93,9 @@ def test_every_sdk_call_carries_the_configured_endpoints(
     server: FakeE2BServer, make_provider: Callable[..., E2BProvider]
 ) -> None:
     async def main() -> None:
-        provider = make_provider(preset="agentenv", api_url="http://10.1.2.3:8000", domain="10.1.2.3.sslip.io")
+        provider = make_provider(
+            preset="agentenv", api_url="http://10.1.2.3:8000", domain="10.1.2.3.sslip.io"
+        )
         ref = await provider.create(SandboxSpec())
         endpoint = await provider.expose(ref, 8000)
         assert endpoint.url == f"http://8000-{ref.id}.10.1.2.3.sslip.io"
@@ -99,7 +106,12 @@ def test_every_sdk_call_carries_the_configured_endpoints(
 
     asyncio.run(main())
     api_calls = [(n, kw) for n, _, kw in server.calls if n in sdk.WITH_API_PARAMS]
-    assert {n for n, _ in api_calls} == {"AsyncSandbox.create", "AsyncSandbox.set_timeout", "AsyncSandbox.list", "AsyncSandbox.kill"}
+    assert {n for n, _ in api_calls} == {
+        "AsyncSandbox.create",
+        "AsyncSandbox.set_timeout",
+        "AsyncSandbox.list",
+        "AsyncSandbox.kill",
+    }
     for _, kwargs in api_calls:
         assert kwargs["api_url"] == kwargs["sandbox_url"] == "http://10.1.2.3:8000"
         assert kwargs["domain"] == "10.1.2.3.sslip.io"

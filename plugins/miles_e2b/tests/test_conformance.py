@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from miles_e2b.provider import E2BProvider
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.testing.sandbox import ProviderConformance, ProviderFactory
-from miles_e2b.provider import E2BProvider
 
 register_cpu_ci(est_time=15, suite="stage-a-cpu")
 

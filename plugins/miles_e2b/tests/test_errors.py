@@ -8,6 +8,9 @@ from collections.abc import Callable
 import e2b
 import httpx
 import pytest
+from miles_e2b.fake import FakeE2BServer
+from miles_e2b.provider import E2BProvider
+from miles_e2b.sdk import to_sandbox_error
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.errors import (
@@ -21,9 +24,6 @@ from miles_core.sandbox.errors import (
 )
 from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.retry import RetryPolicy
-from miles_e2b.fake import FakeE2BServer
-from miles_e2b.provider import E2BProvider
-from miles_e2b.sdk import to_sandbox_error
 
 register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
@@ -61,7 +61,9 @@ def test_throttled_creates_are_retried_by_the_lifecycle_layer(
 
     async def main() -> None:
         provider = make_provider()
-        async with SandboxManager(provider, retry=RetryPolicy(attempts=3, base_s=0.001, cap_s=0.002)) as manager:
+        async with SandboxManager(
+            provider, retry=RetryPolicy(attempts=3, base_s=0.001, cap_s=0.002)
+        ) as manager:
             box = await manager.create()
             assert box.id in server.sandboxes
         creates = [c for c in server.calls if c[0] == "AsyncSandbox.create"]
@@ -69,7 +71,9 @@ def test_throttled_creates_are_retried_by_the_lifecycle_layer(
         # one logical create: every retry carries the same idempotency key
         assert len({c[2]["idempotency_key"] for c in creates}) == 1
         server.fail_next = [e2b.AuthenticationException("401")]
-        async with SandboxManager(provider, retry=RetryPolicy(attempts=3, base_s=0.001, cap_s=0.002)) as manager:
+        async with SandboxManager(
+            provider, retry=RetryPolicy(attempts=3, base_s=0.001, cap_s=0.002)
+        ) as manager:
             with pytest.raises(SandboxFatalError):
                 await manager.create()
         assert len([c for c in server.calls if c[0] == "AsyncSandbox.create"]) == 4

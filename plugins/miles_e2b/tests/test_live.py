@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from miles_e2b.plugin import E2BProviderSpec
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.testing.sandbox import ProviderConformance, ProviderFactory
-from miles_e2b.plugin import E2BProviderSpec
 
 register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
-pytestmark = pytest.mark.skipif(not os.environ.get("E2B_API_KEY"), reason="set E2B_API_KEY to run live E2B tests")
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("E2B_API_KEY"), reason="set E2B_API_KEY to run live E2B tests"
+)
 
 
 class TestLiveE2B(ProviderConformance):
@@ -27,5 +29,7 @@ class TestLiveE2B(ProviderConformance):
     def provider_factory(self) -> ProviderFactory:
         spec = E2BProviderSpec()
         spec.verify()
-        options = {k[len("MILES_E2B_") :].lower(): v for k, v in os.environ.items() if k.startswith("MILES_E2B_")}
+        options = {
+            k[len("MILES_E2B_") :].lower(): v for k, v in os.environ.items() if k.startswith("MILES_E2B_")
+        }
         return lambda: spec.create(options)

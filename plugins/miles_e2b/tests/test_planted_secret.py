@@ -10,6 +10,9 @@ import traceback
 from pathlib import Path
 
 import pytest
+from miles_e2b.config import E2BConfig
+from miles_e2b.fake import FakeE2B, FakeE2BServer
+from miles_e2b.provider import E2BProvider
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.cli import main
@@ -17,9 +20,6 @@ from miles_core.sandbox.base import ImageSpec, Run, SandboxSpec
 from miles_core.sandbox.errors import SandboxFatalError
 from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.retry import RetryPolicy
-from miles_e2b.config import E2BConfig
-from miles_e2b.fake import FakeE2B, FakeE2BServer
-from miles_e2b.provider import E2BProvider
 
 register_cpu_ci(est_time=3, suite="stage-a-cpu")
 

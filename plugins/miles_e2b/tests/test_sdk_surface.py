@@ -12,19 +12,21 @@ from collections.abc import Callable
 
 import e2b
 import pytest
-
-from miles_core.ci.register import register_cpu_ci
-from miles_core.sandbox.base import Copy, ImageSpec, Run, SandboxSpec
 from miles_e2b import sdk
 from miles_e2b.fake import FakeE2BServer
 from miles_e2b.plugin import E2BProviderSpec
 from miles_e2b.provider import E2BProvider
 
+from miles_core.ci.register import register_cpu_ci
+from miles_core.sandbox.base import Copy, ImageSpec, Run, SandboxSpec
+
 register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 async def every_operation(provider: E2BProvider) -> None:
-    image = await provider.prepare_image(ImageSpec("e2bdev/base", (Copy("a.txt", b"a"), Run("cp a.txt b.txt"))))
+    image = await provider.prepare_image(
+        ImageSpec("e2bdev/base", (Copy("a.txt", b"a"), Run("cp a.txt b.txt")))
+    )
     await provider.prepare_image(ImageSpec("e2bdev/base", (Copy("a.txt", b"a"), Run("cp a.txt b.txt"))))
     ref = await provider.create(SandboxSpec(image=image, labels={"t": "surface"}))
     assert (await provider.exec(ref, "cat b.txt")).stdout == "a"
@@ -49,7 +51,9 @@ def test_every_call_made_binds_to_the_installed_sdk(
 ) -> None:
     asyncio.run(every_operation(make_provider(domain="example.test", api_url="https://api.example.test")))
     made = {name for name, _, _ in server.calls}
-    assert made == set(sdk.SDK_CALLS), f"undeclared: {made - set(sdk.SDK_CALLS)}, unused: {set(sdk.SDK_CALLS) - made}"
+    assert made == set(sdk.SDK_CALLS), (
+        f"undeclared: {made - set(sdk.SDK_CALLS)}, unused: {set(sdk.SDK_CALLS) - made}"
+    )
     for name, args, kwargs in server.calls:
         sdk.bind(e2b, name, args, kwargs)  # raises TypeError on any mismatch
     for name, _, kwargs in server.calls:  # only the non-deprecated template API

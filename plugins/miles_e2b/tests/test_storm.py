@@ -8,11 +8,12 @@ import asyncio
 import random
 from collections.abc import Callable
 
+from miles_e2b.fake import FakeE2BServer
+from miles_e2b.provider import E2BProvider
+
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.base import SandboxSpec
 from miles_core.testing.sandbox import cancellation_storm
-from miles_e2b.fake import FakeE2BServer
-from miles_e2b.provider import E2BProvider
 
 register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
@@ -33,7 +34,9 @@ def test_storm_leaves_nothing_and_respects_the_limit(
     summary = report.to_dict()
     assert report.left_behind == [] and listed == [] and server.sandboxes == {}, summary
     assert server.max_in_flight_creates <= LIMIT and report.max_in_flight <= LIMIT, summary
-    assert report.cancelled_in_create > 50 and report.cancelled_waiting > 50 and report.completed_for_caller > 0, summary
+    assert (
+        report.cancelled_in_create > 50 and report.cancelled_waiting > 50 and report.completed_for_caller > 0
+    ), summary
 
 
 def test_naive_cancellation_leaks_negative_control(

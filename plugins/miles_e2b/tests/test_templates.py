@@ -5,17 +5,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from miles_e2b.fake import FakeE2BServer
+from miles_e2b.provider import E2BProvider
+
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.base import Copy, ImageSpec, Resources, Run
 from miles_core.sandbox.lifecycle import SandboxManager
-from miles_e2b.fake import FakeE2BServer
-from miles_e2b.provider import E2BProvider
 
 register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 RECIPE = ImageSpec(
     "python:3.12-slim",
-    (Run("mkdir -p cache && echo 1 > cache/stamp"), Copy("tools/run.sh", b"#!/bin/sh\necho ok\n", mode=0o755), Run("true")),
+    (
+        Run("mkdir -p cache && echo 1 > cache/stamp"),
+        Copy("tools/run.sh", b"#!/bin/sh\necho ok\n", mode=0o755),
+        Run("true"),
+    ),
     user="root",
     resources=Resources(cpus=2, memory_mb=4096, disk_mb=10240),
 )
@@ -27,7 +32,9 @@ def test_build_uses_the_digest_name_and_sets_the_user_before_any_step(
     ref = asyncio.run(make_provider().prepare_image(RECIPE))
     assert ref.name == RECIPE.name and ref.digest == RECIPE.digest and len(ref.name) >= len("miles-") + 16
     names = [name for name, _, _ in server.calls]
-    steps = [(n, a, k) for n, a, k in server.calls if n.startswith(("AsyncTemplate.from_image", "TemplateBuilder"))]
+    steps = [
+        (n, a, k) for n, a, k in server.calls if n.startswith(("AsyncTemplate.from_image", "TemplateBuilder"))
+    ]
     assert [n for n, _, _ in steps] == [
         "AsyncTemplate.from_image",
         "TemplateBuilder.set_user",
