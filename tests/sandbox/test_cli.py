@@ -50,7 +50,15 @@ def test_run_prints_the_command_result_and_exits_with_its_code(cli, tmp_path: Pa
     source = tmp_path / "solution.py"
     source.write_text("import sys; print(open('hint.txt').read().strip()); sys.exit(3)\n")
     code, out, _ = cli(
-        "sandbox", "run", "--step", "echo baked > hint.txt", "--file", f"{source}:solution.py", "--", "python3", "solution.py"
+        "sandbox",
+        "run",
+        "--step",
+        "echo baked > hint.txt",
+        "--file",
+        f"{source}:solution.py",
+        "--",
+        "python3",
+        "solution.py",
     )
     assert (code, out) == (3, "baked\n")
     code, _, _ = cli("sandbox", "run", "--timeout", "0.3", "--", "sleep", "10")
@@ -88,7 +96,9 @@ def test_sweep_destroys_orphans_and_keeps_live_owners(cli, sandbox_root: Path) -
     async def plant() -> tuple[str, str]:
         provider = LocalProvider(sandbox_root)
         orphan = await SandboxManager(provider, owner=dead, keepalive=False).create(SandboxSpec(ttl_s=600))
-        live = await SandboxManager(provider, owner=Owner.current("run-live"), keepalive=False).create(SandboxSpec(ttl_s=600))
+        live = await SandboxManager(provider, owner=Owner.current("run-live"), keepalive=False).create(
+            SandboxSpec(ttl_s=600)
+        )
         provider._metas.clear()  # forget them: the supervisor keeps their TTL, as for a dead owner
         await provider.aclose()
         return orphan.id, live.id
