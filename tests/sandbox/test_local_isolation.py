@@ -17,7 +17,7 @@ from miles_core.sandbox.errors import SandboxError, SandboxUnsupported
 from miles_core.sandbox.local.isolation import is_root
 from miles_core.sandbox.local.provider import LocalProvider
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 def _marked(sandbox_id: str) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.local.store import Store
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 TTL = 1.5
 OWNER = textwrap.dedent(

@@ -15,7 +15,7 @@ from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.sandbox.pool import SandboxPool, SyncSandboxPool
 from miles_core.testing.sandbox import InMemoryProvider
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 SOLUTION = "import sys\nprint(sum(map(int, sys.argv[1:])))\n"
 

@@ -13,7 +13,7 @@ from miles_core.sandbox.base import SandboxSpec
 from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.testing.sandbox import InMemoryProvider, cancellation_storm
 
-register_cpu_ci(est_time=25, suite="stage-a-cpu")
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
 
 LIMIT = 8
 

@@ -10,7 +10,7 @@ from miles_e2b.provider import E2BProvider
 from miles_core.ci.register import register_cpu_ci
 from miles_core.testing.sandbox import ProviderConformance, ProviderFactory
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 
 class TestE2BConformance(ProviderConformance):
