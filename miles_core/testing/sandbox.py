@@ -274,6 +274,21 @@ async def cancellation_storm(
     return report
 
 
+async def naive_create_leaks(
+    provider: SandboxProvider, *, creates: int, max_delay_s: float, seed: int = 0
+) -> int:
+    """The negative control of the storm: cancel bare ``provider.create`` calls with
+    ``wait_for`` (no lifecycle layer) and return how many sandboxes the provider still lists."""
+    rng = random.Random(seed)
+    for _ in range(creates):
+        try:
+            ref = await asyncio.wait_for(provider.create(SandboxSpec()), rng.uniform(0, max_delay_s))
+        except TimeoutError:
+            continue
+        await provider.destroy(ref.id)
+    return len(await provider.list({}))
+
+
 # -- the conformance suite ----------------------------------------------------------------------
 
 #: limit -> (spec limits that make the probe fail, violating command, control command)

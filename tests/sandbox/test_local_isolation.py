@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
 import urllib.request
@@ -14,23 +13,10 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.base import Limits, SandboxSpec
 from miles_core.sandbox.errors import SandboxError, SandboxUnsupported
-from miles_core.sandbox.local.isolation import is_root
+from miles_core.sandbox.local.isolation import is_root, sandbox_processes
 from miles_core.sandbox.local.provider import LocalProvider
 
 register_cpu_ci(est_time=4, suite="stage-a-cpu")
-
-
-def _marked(sandbox_id: str) -> list[int]:
-    marker = f"MILES_SANDBOX_ID={sandbox_id}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if marker in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def run(root: Path, body):  # type: ignore[no-untyped-def]
@@ -51,10 +37,10 @@ def test_destroy_kills_daemons_that_left_the_process_group(sandbox_root: Path) -
         ref = await provider.create(SandboxSpec())
         await provider.exec(ref, "setsid sleep 321 >/dev/null 2>&1 & sleep 0.3; echo ok")
         await asyncio.sleep(0.2)
-        assert len(_marked(ref.id)) >= 1, "the escaped daemon did not start"
+        assert len(sandbox_processes(ref.id)) >= 1, "the escaped daemon did not start"
         await provider.destroy(ref.id)
         await asyncio.sleep(0.1)
-        assert _marked(ref.id) == []
+        assert sandbox_processes(ref.id) == []
 
     run(sandbox_root, body)
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.sandbox.local.isolation import sandbox_processes
 from miles_core.sandbox.local.store import Store
 
 register_cpu_ci(est_time=7, suite="stage-a-cpu")
@@ -54,19 +55,6 @@ def _pids_of_uid(uid: int) -> list[int]:
     return found
 
 
-def _processes_of(store: Store, sandbox_id: str) -> list[int]:
-    marker = f"MILES_SANDBOX_ID={sandbox_id}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if marker in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, str(sandbox_root), str(TTL)], stdout=subprocess.PIPE, text=True
@@ -77,7 +65,7 @@ def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
         ids = started["ids"]
         metas = {m.id: m for m in store.metas()}
         assert set(metas) == set(ids)
-        assert all(_processes_of(store, sid) for sid in ids), "background processes did not start"
+        assert all(sandbox_processes(sid) for sid in ids), "background processes did not start"
         time.sleep(2 * TTL)  # past the TTL: only the owner's keepalive keeps them
         assert {m.id for m in store.metas()} == set(ids), "keepalive did not hold the sandboxes"
         owner.send_signal(signal.SIGKILL)
@@ -87,7 +75,7 @@ def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
             assert time.monotonic() - killed_at < TTL + 10, "the TTL did not reclaim the sandboxes"
             time.sleep(0.1)
         for sid in ids:
-            assert _processes_of(store, sid) == [], f"processes of {sid} survived"
+            assert sandbox_processes(sid) == [], f"processes of {sid} survived"
             assert not store.sandbox_dir(sid).exists()
         for meta in metas.values():
             if meta.uid is not None:

@@ -5,13 +5,11 @@ A naive ``wait_for(provider.create(...))`` is the negative control: it leaks."""
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 from miles_core.ci.register import register_cpu_ci
-from miles_core.sandbox.base import SandboxSpec
 from miles_core.sandbox.local.provider import LocalProvider
-from miles_core.testing.sandbox import InMemoryProvider, cancellation_storm
+from miles_core.testing.sandbox import InMemoryProvider, cancellation_storm, naive_create_leaks
 
 register_cpu_ci(est_time=12, suite="stage-a-cpu")
 
@@ -35,18 +33,8 @@ def test_storm_in_memory() -> None:
 
 
 def test_naive_cancellation_leaks_negative_control() -> None:
-    async def naive() -> int:
-        provider = InMemoryProvider(create_delay_s=0.004)
-        rng = random.Random(1)
-        for _ in range(200):
-            try:
-                ref = await asyncio.wait_for(provider.create(SandboxSpec()), rng.uniform(0, 0.006))
-            except TimeoutError:
-                continue
-            await provider.destroy(ref.id)
-        return len(provider.live)
-
-    assert asyncio.run(naive()) > 10
+    provider = InMemoryProvider(create_delay_s=0.004)
+    assert asyncio.run(naive_create_leaks(provider, creates=200, max_delay_s=0.006, seed=1)) > 10
 
 
 def test_storm_local(sandbox_root: Path) -> None:

@@ -35,6 +35,8 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 UID_BASE = 1_900_000
 UID_SLOTS = 65_536
 MB = 1 << 20
+#: variable set in every sandboxed process's environment (found again by destroy)
+MARKER_VAR = "MILES_SANDBOX_ID"
 
 
 @cache
@@ -140,26 +142,36 @@ def kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def kill_marked(marker: bytes) -> int:
-    """SIGKILL this user's processes whose environment holds ``marker`` (no per-sandbox uid).
+def sandbox_processes(sandbox_id: str) -> list[int]:
+    """Pids of this user's processes whose environment carries ``MILES_SANDBOX_ID=<id>``."""
+    marker, me, found = f"{MARKER_VAR}={sandbox_id}".encode(), os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                if marker in fh.read().split(b"\0"):
+                    found.append(int(entry.name))
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+    return found
+
+
+def kill_sandbox_processes(sandbox_id: str) -> int:
+    """SIGKILL the processes of a sandbox without a uid of its own, found by their marker.
 
     Repeats until none is left (a dying parent may have forked meanwhile); returns the count.
+    Zombies have an empty environment, so the loop ends once all were killed.
     """
-    me, killed = os.getpid(), 0
+    killed = 0
     for _ in range(20):
-        found = 0
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit() or int(entry.name) == me:
-                continue
+        pids = sandbox_processes(sandbox_id)
+        for pid in pids:
             try:
-                with open(f"/proc/{entry.name}/environ", "rb") as fh:
-                    if marker not in fh.read().split(b"\0"):
-                        continue
-                os.kill(int(entry.name), 9)
-                found += 1
-            except (OSError, ValueError):
+                os.kill(pid, 9)
+            except ProcessLookupError:
                 continue
-        killed += found
-        if not found:
+            killed += 1
+        if not pids:
             break
     return killed

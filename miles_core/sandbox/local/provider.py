@@ -30,8 +30,8 @@ from miles_core.sandbox.errors import SandboxNotFound, SandboxUnsupported
 from miles_core.sandbox.local import files
 from miles_core.sandbox.local.client import SupervisorClient
 from miles_core.sandbox.local.images import DEFAULT_PATH, ensure_image, populate
-from miles_core.sandbox.local.isolation import is_root, network_isolation_available
-from miles_core.sandbox.local.store import MARKER_VAR, Meta, Store, default_root
+from miles_core.sandbox.local.isolation import MARKER_VAR, is_root, network_isolation_available
+from miles_core.sandbox.local.store import Meta, Store, default_root
 from miles_core.sandbox.ownership import process_start_time
 
 SANDBOX_USER = "sandbox"

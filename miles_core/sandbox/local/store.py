@@ -28,11 +28,10 @@ from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.sandbox.errors import SandboxCapacityError
-from miles_core.sandbox.local.isolation import UID_BASE, UID_SLOTS, kill_marked, kill_uid
+from miles_core.sandbox.local.isolation import UID_BASE, UID_SLOTS, kill_sandbox_processes, kill_uid
 from miles_core.sandbox.ownership import process_alive
 
 ENV_ROOT = "MILES_SANDBOX_ROOT"
-MARKER_VAR = "MILES_SANDBOX_ID"
 
 
 def default_root() -> Path:
@@ -125,7 +124,7 @@ class Store:
         if meta.uid is not None:
             kill_uid(meta.uid)
         else:
-            kill_marked(f"{MARKER_VAR}={meta.id}".encode())
+            kill_sandbox_processes(meta.id)
         directory = self.sandbox_dir(meta.id)
         try:
             os.unlink(directory / "meta.json")

@@ -5,15 +5,13 @@ nothing behind by listing, and the service never sees more than N creates at onc
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
 
 from miles_e2b.fake import FakeE2BServer
 from miles_e2b.provider import E2BProvider
 
 from miles_core.ci.register import register_cpu_ci
-from miles_core.sandbox.base import SandboxSpec
-from miles_core.testing.sandbox import cancellation_storm
+from miles_core.testing.sandbox import cancellation_storm, naive_create_leaks
 
 register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
@@ -43,16 +41,5 @@ def test_naive_cancellation_leaks_negative_control(
     server: FakeE2BServer, make_provider: Callable[..., E2BProvider]
 ) -> None:
     server.create_latency_s = 0.004
-
-    async def main() -> int:
-        provider = make_provider()
-        rng = random.Random(3)
-        for _ in range(100):
-            try:
-                ref = await asyncio.wait_for(provider.create(SandboxSpec()), rng.uniform(0, 0.006))
-            except TimeoutError:
-                continue
-            await provider.destroy(ref.id)
-        return len(await provider.list({}))
-
-    assert asyncio.run(main()) > 5
+    leaked = asyncio.run(naive_create_leaks(make_provider(), creates=100, max_delay_s=0.006, seed=3))
+    assert leaked > 5
