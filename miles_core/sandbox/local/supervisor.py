@@ -8,8 +8,8 @@ JSON lines on stdin/stdout. It exists for three reasons:
   destroying each at its deadline, then exits. That is the dead-man switch.
 * **Fork safety.** Setting limits, namespaces and users needs code between ``fork`` and
   ``exec``; that is only safe in a single-threaded process, which the owner (a trainer with
-  torch/CUDA threads) is not. The supervisor is single-threaded by construction (pidfd child
-  watcher, no executors) and small, so its forks are cheap too.
+  torch/CUDA threads) is not. The supervisor is single-threaded by construction (processes
+  watched through pidfds, no executors) and small, so its forks are cheap too.
 * **Results the sandbox cannot forge.** It runs as the owner's user, outside every sandbox uid.
 
 Requests: ``{"req": n, "op": ..., ...}``; replies ``{"req": n, "ok": true, ...}`` or
@@ -19,7 +19,6 @@ Requests: ``{"req": n, "op": ..., ...}``; replies ``{"req": n, "ok": true, ...}`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -31,13 +30,10 @@ from typing import Any
 
 from miles_core.sandbox.base import Limits
 from miles_core.sandbox.local.isolation import child_setup, new_network_namespace, rlimits
+from miles_core.sandbox.local.spawn import Child
 from miles_core.sandbox.local.store import Meta, Store
 
 OWNER_POLL_S = 1.0
-#: after a command exits, how long to wait for descendants that escaped its process group
-#: but still hold its output pipes
-PIPE_GRACE_S = 0.5
-READ_CHUNK = 1 << 16
 
 
 @dataclass
@@ -60,7 +56,7 @@ class Supervisor:
         self.owner_pid = owner_pid
         self.writer = writer
         self.tracked: dict[str, Tracked] = {}
-        self.running: dict[int, asyncio.subprocess.Process] = {}  # req -> foreground process
+        self.running: dict[int, Child] = {}  # req -> foreground command
         self.owner_gone = asyncio.Event()
         self.idle = asyncio.Event()
 
@@ -88,8 +84,8 @@ class Supervisor:
         if self.owner_gone.is_set():
             return
         self.owner_gone.set()
-        for proc in list(self.running.values()):
-            _kill_group(proc.pid)
+        for child in list(self.running.values()):
+            child.kill_group()
         self._check_idle()
 
     def _check_idle(self) -> None:
@@ -157,9 +153,9 @@ class Supervisor:
         return {"existed": self._destroy(message["id"])}
 
     async def op_cancel(self, message: dict[str, Any]) -> dict[str, Any]:
-        proc = self.running.get(message["target"])
-        if proc is not None:
-            _kill_group(proc.pid)
+        child = self.running.get(message["target"])
+        if child is not None:
+            child.kill_group()
         return {}
 
     async def op_exec(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -167,83 +163,28 @@ class Supervisor:
         meta = tracked.meta
         limits = Limits(**meta.limits)
         background = bool(message.get("background"))
-        pipe = asyncio.subprocess.DEVNULL if background else asyncio.subprocess.PIPE
         started = time.monotonic()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *message["argv"],
+            child = Child(
+                message["argv"],
                 cwd=message["cwd"],
                 env=message["env"],
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=pipe,
-                stderr=pipe,
-                start_new_session=True,
-                preexec_fn=child_setup(rlimits(limits), meta.uid, tracked.netns_fd),
+                setup=child_setup(rlimits(limits), meta.uid, tracked.netns_fd),
+                capture=not background,
             )
-        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
-            return {
-                "exit_code": 127,
-                "stdout": "",
-                "stderr": f"{message['argv'][0]}: {exc.strerror}\n",
-                "timed_out": False,
-                "truncated": False,
-                "duration_s": time.monotonic() - started,
-            }
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:  # like a shell's 127
+            return _result(127, stderr=f"{message['argv'][0]}: {exc.strerror}\n", started=started)
         if background:
-            return {
-                "exit_code": None,
-                "pid": proc.pid,
-                "stdout": "",
-                "stderr": "",
-                "timed_out": False,
-                "truncated": False,
-                "duration_s": time.monotonic() - started,
-            }
+            child.reap_in_background()
+            return {**_result(None, started=started), "pid": child.pid}
         req = message["req"]
-        self.running[req] = proc
+        self.running[req] = child
         tracked.execs.add(req)
         try:
-            return await self._collect(proc, message.get("timeout"), limits.output_bytes, started)
+            return await child.collect(message.get("timeout"), limits.output_bytes)
         finally:
             self.running.pop(req, None)
             tracked.execs.discard(req)
-
-    async def _collect(
-        self, proc: asyncio.subprocess.Process, timeout: float | None, cap: int, started: float
-    ) -> dict[str, Any]:
-        out, err = bytearray(), bytearray()
-        truncated = [False]
-
-        async def drain(stream: asyncio.StreamReader, buf: bytearray) -> None:
-            while chunk := await stream.read(READ_CHUNK):
-                room = cap - len(buf)
-                buf += chunk[: max(room, 0)]
-                if len(chunk) > room:
-                    truncated[0] = True
-
-        assert proc.stdout is not None and proc.stderr is not None
-        readers = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
-        timed_out = False
-        try:
-            await asyncio.wait_for(_exited(proc.pid), timeout)
-        except TimeoutError:
-            timed_out = True
-        _kill_group(proc.pid)  # nothing a foreground command started outlives it
-        await proc.wait()
-        try:
-            await asyncio.wait_for(asyncio.shield(readers), PIPE_GRACE_S)
-        except TimeoutError:
-            readers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await readers
-        return {
-            "exit_code": proc.returncode,
-            "stdout": out.decode(errors="replace"),
-            "stderr": err.decode(errors="replace"),
-            "timed_out": timed_out,
-            "truncated": truncated[0],
-            "duration_s": time.monotonic() - started,
-        }
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -263,26 +204,15 @@ class Supervisor:
         self.idle.set()
 
 
-async def _exited(pid: int) -> None:
-    """Return when ``pid`` exits. ``Process.wait()`` would also wait for every holder of its
-    output pipes to close them -- descendants included -- which is not the command's end."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return  # already exited and reaped
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
-    try:
-        await done
-    finally:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+def _result(exit_code: int | None, *, started: float, stderr: str = "") -> dict[str, Any]:
+    return {
+        "exit_code": exit_code,
+        "stdout": "",
+        "stderr": stderr,
+        "timed_out": False,
+        "truncated": False,
+        "duration_s": time.monotonic() - started,
+    }
 
 
 async def serve(root: Path, owner_pid: int) -> None:
@@ -318,8 +248,6 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     root, owner_pid = Path(args[0]), int(args[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.version_info < (3, 12):  # 3.12+ picks the pidfd watcher itself; no helper threads
-        asyncio.set_child_watcher(asyncio.PidfdChildWatcher())
     asyncio.run(serve(root, owner_pid))
 
 
