@@ -89,7 +89,12 @@ class E2BProvider:
         if sdk is None:
             config.check_environment()
         self._key = key or config.api_key.resolve()
-        self._api = config.api_params(self._key)
+
+    @property
+    def _api(self) -> dict[str, Any]:
+        """Connection keywords for one SDK call; built per call so that the key's value lives
+        only inside its :class:`Secret` (which refuses to be pickled), not in this object."""
+        return self.config.api_params(self._key)
 
     def __repr__(self) -> str:
         return f"E2BProvider(domain={self.config.domain!r}, api_url={self.config.api_url!r}, key={self.config.api_key})"
