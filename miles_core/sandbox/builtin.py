@@ -29,6 +29,13 @@ class LocalProviderSpec(SandboxProviderSpec):
         "step_timeout_s": "seconds one image build step may run (default 1800)",
     }
 
+    @property
+    def default_build_user(self) -> str:  # type: ignore[override]
+        """Local build steps run as this process's user."""
+        import getpass
+
+        return getpass.getuser()
+
     def create(self, config: Mapping[str, Any] | None = None) -> SandboxProvider:
         cfg = check_options(self.name, config, self.options)
         if "isolate_network" in cfg:

@@ -108,6 +108,9 @@ def providers(as_json: bool, no_verify: bool) -> None:
 @_provider_options
 @click.option("--base", help="Base image for --step recipes (default: the provider's).")
 @click.option(
+    "--build-user", help="User the --step commands run as (default: the provider's; local: this user)."
+)
+@click.option(
     "--step",
     "steps",
     multiple=True,
@@ -159,6 +162,7 @@ def run(
     config_path: Path | None,
     options: tuple[str, ...],
     base: str | None,
+    build_user: str | None,
     steps: tuple[str, ...],
     files: tuple[str, ...],
     env: tuple[str, ...],
@@ -182,7 +186,7 @@ def run(
     variables = dict(_key_value(item, "--env") for item in env)
     argv: str | list[str] = command[0] if len(command) == 1 and " " in command[0] else list(command)
     result, sandbox_id, image = run_sync(
-        _run(provider, config, base, steps, payloads, variables, argv, timeout, ttl, network)
+        _run(provider, config, base, build_user, steps, payloads, variables, argv, timeout, ttl, network)
     )
     code = 124 if result.timed_out else (128 - result.exit_code if result.exit_code < 0 else result.exit_code)
     if as_json:
@@ -209,6 +213,7 @@ async def _run(
     provider: str,
     config: dict[str, Any],
     base: str | None,
+    build_user: str | None,
     steps: tuple[str, ...],
     payloads: list[tuple[str, bytes]],
     env: dict[str, str],
@@ -224,7 +229,11 @@ async def _run(
     async with open_manager(provider, config) as manager:
         image = None
         if steps or base:
-            recipe = ImageSpec(base or descriptor.default_base, tuple(Run(step) for step in steps))
+            recipe = ImageSpec(
+                base or descriptor.default_base,
+                tuple(Run(step) for step in steps),
+                user=build_user or descriptor.default_build_user,
+            )
             image = await manager.prepare_image(recipe)
         async with await manager.create(SandboxSpec(image=image, ttl_s=ttl, network=network)) as box:
             for dest, data in payloads:

@@ -20,8 +20,8 @@ class SandboxProviderSpec(ABC):
     """What ``miles_sandbox_providers()`` returns: a cheap descriptor of one provider.
 
     ``options`` documents the config keys :meth:`create` accepts (shown by
-    ``miles sandbox providers``); ``default_base`` is the base image a recipe gets when it names
-    none. :meth:`create` does the heavy imports and validates ``config``,
+    ``miles sandbox providers``); ``default_base`` and ``default_build_user`` are the base image
+    and build user a recipe gets when the caller names none (``miles sandbox run --step``). :meth:`create` does the heavy imports and validates ``config``,
     raising :class:`~miles_core.errors.ConfigError` that names the offending key.
     :meth:`verify` proves the provider's effect/surface (the SDK calls it makes exist with the
     signatures it uses; the local isolation primitives work) and returns facts for reports.
@@ -30,6 +30,7 @@ class SandboxProviderSpec(ABC):
     name: str
     description: str = ""
     default_base: str = ""
+    default_build_user: str = "root"
     options: ClassVar[Mapping[str, str]] = {}
 
     @abstractmethod

@@ -320,8 +320,9 @@ LIMIT_PROBES: dict[str, tuple[dict[str, int], str, str]] = {
 class ProviderConformance:
     """The provider contract as tests. Subclass and provide ``provider_factory``."""
 
-    #: base image for recipe tests (the provider's ``default_base``)
+    #: base image and build user for recipe tests (the provider's defaults)
     base_image: ClassVar[str] = "host"
+    build_user: ClassVar[str] = "root"
     #: seconds for the TTL-expiry test; None skips it (providers whose minimum TTL is long)
     ttl_test_s: ClassVar[float | None] = 1.0
 
@@ -465,6 +466,7 @@ class ProviderConformance:
         recipe = ImageSpec(
             self.base_image,
             (Copy("assets/answer.txt", b"42\n"), Run("cat assets/answer.txt > baked.txt")),
+            user=self.build_user,
         )
 
         async def body(provider: SandboxProvider, labels: dict[str, str]) -> None:

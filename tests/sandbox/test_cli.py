@@ -39,7 +39,7 @@ def test_providers_json_reports_the_verified_local_provider(cli) -> None:  # typ
     data = json.loads(out)
     local = {p["name"]: p for p in data["providers"]}["local"]
     assert code == 0 and local["status"] == "ok" and local["plugin"] == "core-sandbox"
-    assert local["facts"]["limits_seen_inside"]["processes"] == 37
+    assert local["facts"]["limits_seen_inside"]["open_files"] == 123
     assert "root" in local["options"]
 
 

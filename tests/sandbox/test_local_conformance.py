@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 class TestLocalConformance(ProviderConformance):
     base_image = "host"
+    build_user = getpass.getuser()
 
     @pytest.fixture
     def provider_factory(self, sandbox_root: Path) -> ProviderFactory:
