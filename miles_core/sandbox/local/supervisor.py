@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from miles_core.sandbox.base import Limits
 from miles_core.sandbox.local.isolation import child_setup, new_network_namespace, rlimits
 from miles_core.sandbox.local.spawn import Child
 from miles_core.sandbox.local.store import Meta, Store
+from miles_core.sandbox.ownership import process_alive, process_start_time
 
 OWNER_POLL_S = 1.0
 
@@ -41,7 +42,6 @@ class Tracked:
     meta: Meta
     netns_fd: int | None
     timer: asyncio.TimerHandle | None = None
-    execs: set[int] = field(default_factory=set)
 
 
 class Failure(Exception):
@@ -54,6 +54,7 @@ class Supervisor:
     def __init__(self, store: Store, owner_pid: int, writer: asyncio.StreamWriter) -> None:
         self.store = store
         self.owner_pid = owner_pid
+        self.owner_start = process_start_time(owner_pid)
         self.writer = writer
         self.tracked: dict[str, Tracked] = {}
         self.running: dict[int, Child] = {}  # req -> foreground command
@@ -102,10 +103,9 @@ class Supervisor:
         if tracked.timer is not None:
             tracked.timer.cancel()
         delay = max(0.0, tracked.meta.expires_at - time.time())
-        loop = asyncio.get_running_loop()
-        tracked.timer = loop.call_later(delay, lambda: loop.create_task(self._expire(tracked.meta.id)))
+        tracked.timer = asyncio.get_running_loop().call_later(delay, self._expire, tracked.meta.id)
 
-    async def _expire(self, sandbox_id: str) -> None:
+    def _expire(self, sandbox_id: str) -> None:
         tracked = self.tracked.get(sandbox_id)
         if tracked is not None and tracked.meta.expires_at <= time.time():
             self._destroy(sandbox_id)
@@ -179,21 +179,17 @@ class Supervisor:
             return {**_result(None, started=started), "pid": child.pid}
         req = message["req"]
         self.running[req] = child
-        tracked.execs.add(req)
         try:
             return await child.collect(message.get("timeout"), limits.output_bytes)
         finally:
             self.running.pop(req, None)
-            tracked.execs.discard(req)
 
     # -- life -----------------------------------------------------------------------------------
 
     async def watch_owner(self) -> None:
         while not self.owner_gone.is_set():
             await asyncio.sleep(OWNER_POLL_S)
-            try:
-                os.kill(self.owner_pid, 0)
-            except ProcessLookupError:
+            if not process_alive(self.owner_pid, self.owner_start):
                 self.owner_left()
 
     def shutdown(self) -> None:
