@@ -36,7 +36,7 @@ from miles_core.sandbox.ownership import Owner, orphan_reason, process_start_tim
 from miles_core.sandbox.retry import RetryPolicy
 from miles_core.testing.sandbox import CountingProvider, InMemoryProvider
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 FAST = RetryPolicy(attempts=3, base_s=0.001, cap_s=0.004)
 
