@@ -110,13 +110,17 @@ class Supervisor:
         if tracked is not None and tracked.meta.expires_at <= time.time():
             self._destroy(sandbox_id)
 
+    def _untrack(self, sandbox_id: str, tracked: Tracked) -> None:
+        del self.tracked[sandbox_id]
+        if tracked.timer is not None:
+            tracked.timer.cancel()
+        if tracked.netns_fd is not None:
+            os.close(tracked.netns_fd)
+
     def _destroy(self, sandbox_id: str) -> bool:
-        tracked = self.tracked.pop(sandbox_id, None)
+        tracked = self.tracked.get(sandbox_id)
         if tracked is not None:
-            if tracked.timer is not None:
-                tracked.timer.cancel()
-            if tracked.netns_fd is not None:
-                os.close(tracked.netns_fd)
+            self._untrack(sandbox_id, tracked)
             meta = tracked.meta
         else:
             meta = self.store.read_meta(sandbox_id)
@@ -186,11 +190,17 @@ class Supervisor:
 
     # -- life -----------------------------------------------------------------------------------
 
-    async def watch_owner(self) -> None:
-        while not self.owner_gone.is_set():
+    async def watch(self) -> None:
+        """Every second: is the owner alive (a pipe kept open by a fork of it hides its death),
+        and did someone else (a sweep) destroy a sandbox we track? Then finish and forget it."""
+        while not self.idle.is_set():
             await asyncio.sleep(OWNER_POLL_S)
-            if not process_alive(self.owner_pid, self.owner_start):
+            if not self.owner_gone.is_set() and not process_alive(self.owner_pid, self.owner_start):
                 self.owner_left()
+            for sandbox_id in list(self.tracked):
+                if self.store.read_meta(sandbox_id) is None:  # finish the job: its processes too
+                    self._destroy(sandbox_id)
+            self._check_idle()
 
     def shutdown(self) -> None:
         """SIGTERM: destroy everything now rather than at the deadlines."""
@@ -222,7 +232,7 @@ async def serve(root: Path, owner_pid: int) -> None:
     supervisor = Supervisor(store, owner_pid, writer)
     loop.add_signal_handler(signal.SIGTERM, supervisor.shutdown)
     tasks: set[asyncio.Task[None]] = set()
-    watcher = loop.create_task(supervisor.watch_owner())
+    watcher = loop.create_task(supervisor.watch())
 
     async def read_requests() -> None:
         while line := await reader.readline():
