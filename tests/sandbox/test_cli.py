@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -93,17 +94,19 @@ def test_run_rejects_a_bad_config_file_naming_it(cli, tmp_path: Path) -> None:  
 def test_sweep_destroys_orphans_and_keeps_live_owners(cli, sandbox_root: Path) -> None:  # type: ignore[no-untyped-def]
     dead = Owner("run-dead", socket.gethostname(), 2**22 + 1, "")  # no such pid
 
-    async def plant() -> tuple[str, str]:
+    async def plant() -> tuple[str, str, int]:
         provider = LocalProvider(sandbox_root)
         orphan = await SandboxManager(provider, owner=dead, keepalive=False).create(SandboxSpec(ttl_s=600))
         live = await SandboxManager(provider, owner=Owner.current("run-live"), keepalive=False).create(
             SandboxSpec(ttl_s=600)
         )
+        keeper = (await provider._client()).pid
         provider._metas.clear()  # forget them: the supervisor keeps their TTL, as for a dead owner
         await provider.aclose()
-        return orphan.id, live.id
+        return orphan.id, live.id, keeper
 
-    orphan, live = asyncio.run(plant())
+    orphan, live, keeper = asyncio.run(plant())
+    assert _running(keeper)
     code, out, _ = cli("sandbox", "sweep", "--dry-run", "--json")
     report = json.loads(out)
     assert code == 0 and [r["id"] for r in report["destroyed"]] == [orphan] and report["dry_run"]
@@ -114,6 +117,19 @@ def test_sweep_destroys_orphans_and_keeps_live_owners(cli, sandbox_root: Path) -
     code, out, _ = cli("sandbox", "sweep", "--owner", "run-live")
     assert code == 0 and f"destroyed {live}" in out
     assert not any((sandbox_root / "sandboxes").iterdir())
+    deadline = time.monotonic() + 10  # the TTL keeper notices and exits instead of lingering
+    while _running(keeper):
+        assert time.monotonic() < deadline, "the supervisor kept running after its sandboxes were swept"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the keeper outlives the provider that started it, unreaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
 
 
 def test_help_documents_every_option(cli) -> None:  # type: ignore[no-untyped-def]
