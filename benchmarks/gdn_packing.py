@@ -71,10 +71,14 @@ SMOKE_MODEL = dict(CPU_MODEL, hidden_size=32, intermediate_size=64, num_hidden_l
                    linear_key_head_dim=8, linear_value_head_dim=8)
 
 
-def build_model(overrides: dict[str, Any], seed: int = 0) -> torch.nn.Module:
-    from miles_qwen35.tiny import tiny_model
+def build_model(overrides: dict[str, Any], device: str = "cpu") -> torch.nn.Module:
+    """A Qwen3.5-architecture causal LM with random weights (the same for every call)."""
+    from miles_qwen35.tiny import tiny_config
+    from transformers import AutoModelForCausalLM
 
-    return tiny_model("qwen3_5", seed=seed, **overrides)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(tiny_config("qwen3_5", **overrides)).float()
 
 
 def median_times(steps: dict[str, Callable[[], None]], iters: int, warmup: int, sync: Callable[[], None]) -> dict[str, float]:
@@ -197,7 +201,7 @@ def cpu_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
     overrides = SMOKE_MODEL if args.smoke else GPU_MODEL
     lengths = [n // 32 for n in GPU_LENGTHS] if args.smoke else GPU_LENGTHS
-    model = build_model(overrides).to(device=device, dtype=torch.bfloat16)
+    model = build_model(overrides, device).to(torch.bfloat16)
     report = prepare_model(model)
     params = sum(p.numel() for p in model.parameters())
     packed = packed_batch(lengths, overrides["vocab_size"], device, torch.Generator().manual_seed(1))
