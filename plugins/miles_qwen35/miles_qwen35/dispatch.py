@@ -12,7 +12,10 @@ transformers' GDN ``forward`` calls two module-level kernels, ``causal_conv1d_fn
   kernels were really called, so a transformers release that reroutes them fails loudly instead
   of mixing documents.
 
-Unpacked forwards (no context) run the original forward with the original kernels, bit for bit.
+Patching a class changes it for the whole process, so a layer only takes the packed path once
+``prepare_model`` has enabled it (:func:`enable_layer`): a model built or prepared without this
+plugin keeps transformers' behaviour even after another model was prepared with it. Unpacked
+forwards (no context) run the original forward with the original kernels, bit for bit.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ KERNELS = (CONV, CHUNK)
 FORWARD_MARK = "__miles_gdn_packing__"
 #: attribute of a dispatcher: the original kernel it wraps
 KERNEL_MARK = "__miles_gdn_kernel__"
+#: attribute of a layer instance that prepare_model enabled for packed forwards
+LAYER_FLAG = "_miles_gdn_packing_enabled"
 
 
 @dataclass
@@ -101,6 +106,8 @@ def _packing_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.pop(PACKING_KWARG, None)
+        if not getattr(self, LAYER_FLAG, False):
+            return original(self, *args, **kwargs)
         if model_scope_open() and current_packed_sequences() is not ctx:
             raise PackingError(
                 f"{qualname(type(self))}: this forward's packing context did not reach the layer "
@@ -176,6 +183,15 @@ def patch_class(cls: type) -> None:
         if getattr(kernel_globals[name], KERNEL_MARK, None) is None:
             kernel_globals[name] = _dispatcher(name, kernel_globals[name])
     cls.forward = _packing_forward(forward)
+
+
+def enable_layer(layer: torch.nn.Module) -> None:
+    """Let ``layer`` (an instance of a patched class) take the packed path."""
+    setattr(layer, LAYER_FLAG, True)
+
+
+def layer_enabled(layer: torch.nn.Module) -> bool:
+    return getattr(layer, LAYER_FLAG, False) is True
 
 
 def patch_problems(cls: type) -> list[str]:

@@ -59,7 +59,7 @@ class GatedDeltaNetPackingPatch:
 
     def apply(self, model: Any) -> AppliedPatch:
         from miles_qwen35.coverage import architecture_of
-        from miles_qwen35.dispatch import forward_owner, patch_class
+        from miles_qwen35.dispatch import enable_layer, forward_owner, is_patched, patch_class
 
         groups: dict[str, list[str]] = {}
         for cls in self.targets(model):
@@ -75,20 +75,26 @@ class GatedDeltaNetPackingPatch:
             groups.setdefault(arch.name, [])
             if qualname(owner) not in groups[arch.name]:
                 groups[arch.name].append(qualname(owner))
+        for module in model.modules():
+            if is_gated_deltanet(module) and is_patched(forward_owner(type(module))):
+                enable_layer(module)
         classes = tuple(c for names in groups.values() for c in names)
         return AppliedPatch(classes=classes, groups={k: tuple(v) for k, v in groups.items()})
 
     def verify(self, model: Any) -> None:
-        from miles_qwen35.dispatch import patch_problems
+        from miles_qwen35.dispatch import layer_enabled, patch_problems
 
-        problems: dict[type, str] = {}
+        class_problems: dict[type, list[str]] = {}
+        failures: list[str] = []
         for path, module in model.named_modules():
-            cls = type(module)
-            if cls in problems or not is_gated_deltanet(module):
+            if not is_gated_deltanet(module):
                 continue
-            found = patch_problems(cls)
-            problems[cls] = f"{'; '.join(found)} (first at {path or '<root>'})" if found else ""
-        failures = [p for p in problems.values() if p]
+            cls = type(module)
+            if cls not in class_problems:
+                class_problems[cls] = patch_problems(cls)
+                failures += [f"{p} (first at {path or '<root>'})" for p in class_problems[cls]]
+            if not class_problems[cls] and not layer_enabled(module):
+                failures.append(f"the {qualname(cls)} at {path} was not enabled for packed forwards")
         if failures:
             raise PatchVerificationError(self.name, failures)
 

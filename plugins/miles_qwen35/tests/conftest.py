@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
 import torch
+from miles_qwen35 import __version__
+from miles_qwen35.coverage import gdn_architectures
 
 from miles_core.patches.packing import packed_position_ids
 from miles_core.plugins import MilesPluginManager
-from miles_qwen35 import __version__
-from miles_qwen35.coverage import gdn_architectures
 
 #: every GDN architecture of the installed transformers that this plugin claims
 SUPPORTED = [a.name for a in gdn_architectures() if a.status == "supported"]
@@ -52,8 +53,8 @@ def docs() -> SimpleNamespace:
     return SimpleNamespace(
         ids=ids,
         position_ids=position_ids,
-        slices=[slice(a, b) for a, b in zip(starts[:-1], starts[1:])],
-        alone=[ids[:, a:b] for a, b in zip(starts[:-1], starts[1:])],
+        slices=[slice(a, b) for a, b in pairwise(starts)],
+        alone=[ids[:, a:b] for a, b in pairwise(starts)],
         labels=torch.randint(0, 128, ids.shape, generator=generator),
         num_real_tokens=sum(LENGTHS),
     )

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from miles_qwen35.patch import is_gated_deltanet
+from miles_qwen35.tiny import tiny_model
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import prepare_model
 from miles_core.patches.packing import PACKING_KWARG
-from miles_qwen35.patch import is_gated_deltanet
-from miles_qwen35.tiny import tiny_model
 
 register_cpu_ci(est_time=25, suite="stage-a-cpu")
 
@@ -87,9 +87,8 @@ def test_without_the_plugin_documents_mix(docs, arch: str) -> None:
 
 
 def test_the_multimodal_qwen3_5_model_packs_text(qwen_pm, docs) -> None:
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
     from miles_qwen35.tiny import TINY_CONFIG
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
     with torch.random.fork_rng(devices=[]):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from miles_core.ci.register import register_cpu_ci
-from miles_core.errors import ActivationError, PluginLoadError
-from miles_core.patches import prepare_model
-from miles_core.patches.packing import PACKING_KWARG, PackedSequences, PackingError
 from miles_qwen35 import coverage
 from miles_qwen35.coverage import Architecture, gdn_architectures
 from miles_qwen35.patch import GatedDeltaNetPackingPatch, is_gated_deltanet
 from miles_qwen35.tiny import tiny_config, tiny_model
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.errors import ActivationError, PluginLoadError
+from miles_core.patches import PatchVerificationError, prepare_model
+from miles_core.patches.packing import PACKING_KWARG, PackedSequences, PackingError
 
 register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
@@ -98,15 +98,14 @@ def test_a_packed_layer_refuses_a_mismatched_batch(qwen_pm) -> None:
     "qwen4_exp" not in {a.name for a in gdn_architectures()}, reason="transformers has no qwen4_exp"
 )
 def test_an_unsupported_architecture_is_refused_with_the_reason(qwen_pm) -> None:
-    from transformers.models.qwen4_exp import configuration_qwen4_exp, modeling_qwen4_exp
-
     from miles_qwen35.tiny import TINY_CONFIG
+    from transformers.models.qwen4_exp import configuration_qwen4_exp, modeling_qwen4_exp
 
     config = configuration_qwen4_exp.Qwen4ExpTextConfig(**TINY_CONFIG)
     model = torch.nn.Module()
     model.config = config
     model.linear_attn = modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet(config, 0)
-    with pytest.raises(ActivationError, match="qwen4_exp architecture is unsupported: .*PLELayer"):
+    with pytest.raises(ActivationError, match=r"qwen4_exp architecture is unsupported: .*PLELayer"):
         prepare_model(model)
 
 
@@ -120,7 +119,7 @@ def test_every_gdn_architecture_of_transformers_is_classified() -> None:
 def test_an_unknown_gdn_architecture_is_a_registration_error(qwen_pm, monkeypatch) -> None:
     new = Architecture("qwen9_gdn", "transformers.models.qwen9_gdn.modeling_qwen9_gdn", "unknown", "new")
     monkeypatch.setattr(coverage, "gdn_architectures", lambda: (*gdn_architectures(), new))
-    with pytest.raises(ActivationError, match="'qwen9_gdn'.*neither patches nor declares unsupported"):
+    with pytest.raises(ActivationError, match=r"'qwen9_gdn'.*neither patches nor declares unsupported"):
         prepare_model(tiny_model("qwen3_5"))
     assert qwen_pm.get("miles-qwen35").status == "broken"
     with pytest.raises(PluginLoadError, match="miles-qwen35"):
@@ -138,3 +137,23 @@ def test_a_supported_architecture_whose_layer_no_longer_calls_the_kernels_is_a_r
     problems = coverage.environment_problems()
     assert any("Renamed.forward does not call causal_conv1d_fn" in p for p in problems)
     assert any("modeling_qwen3_5_moe no longer defines a class that runs" in p for p in problems)
+
+
+def test_a_model_prepared_without_the_plugin_keeps_mixing_documents(qwen_pm, miles_pm_factory, docs) -> None:
+    prepare_model(tiny_model("qwen3_5"))  # the classes are patched for the whole process now
+    model = tiny_model("qwen3_5").eval()
+    report = prepare_model(model, pm=miles_pm_factory())  # a manager without miles-qwen35
+    assert report.patches == () and report.packing_scope
+    with torch.no_grad():
+        packed = model(docs.ids, position_ids=docs.position_ids).logits
+        alone = model(docs.alone[1]).logits
+    assert (packed[:, docs.slices[1]] - alone).abs().max().item() > 1e-3
+
+
+def test_a_layer_swapped_in_after_preparing_fails_verification(qwen_pm) -> None:
+    model = tiny_model("qwen3_5", num_hidden_layers=3, layer_types=["linear_attention"] * 2 + ["full_attention"])
+    prepare_model(model)
+    model.model.layers[1].linear_attn = type(gdn_of(model))(model.config, 1)
+    with pytest.raises(PatchVerificationError, match=r"at model\.layers\.1\.linear_attn was not enabled"):
+        GatedDeltaNetPackingPatch().verify(model)
+    prepare_model(model)  # preparing again covers it

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from miles_qwen35 import torch_varlen
+from miles_qwen35.patch import is_gated_deltanet
+from miles_qwen35.tiny import tiny_model
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import prepare_model
 from miles_core.patches.packing import PACKING_KWARG
-from miles_qwen35 import torch_varlen
-from miles_qwen35.patch import is_gated_deltanet
-from miles_qwen35.tiny import tiny_model
 
 register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
