@@ -1,8 +1,8 @@
 """On a GPU with fla: the packed path runs fla's variable-length kernels and stays per-document.
 
 Skips without CUDA or without flash-linear-attention. The first run compiles and autotunes fla's
-kernels (minutes on an H200; the estimate above includes it). fla's kernels run float32 matmuls in tf32,
-so the tolerances are relative to the outputs' magnitude, and the leak (without the packing
+kernels (minutes on an H200; the CI estimate includes it). fla's kernels run float32 matmuls in
+tf32, so the tolerances are relative to the outputs' magnitude, and the leak (without the packing
 context) must stay far above them.
 """
 
