@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from miles_core.errors import ActivationError
 from miles_core.patches.base import ModelPatch, PatchError, ProbeResult, qualname
 from miles_core.patches.report import PatchReport, PrepareReport
-from miles_core.plugins import Contribution, MilesPluginManager, get_plugin_manager
+from miles_core.plugins import Contribution, MilesPluginManager, _describe, get_plugin_manager
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,8 +48,7 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
         targets = _attributed(contribution, patch.targets, model)
         if not patch.matches(config):
             if targets:
-                raise _activation_error(
-                    contribution,
+                raise contribution.error(
                     f"matches() declined {type(model).__name__} (model_type "
                     f"{getattr(config, 'model_type', None)!r}) but the model contains its targets "
                     f"{sorted({qualname(t) for t in targets})}",
@@ -114,7 +113,7 @@ def _check_kernels(contribution: Contribution, device_types: list[str]) -> tuple
             continue
         message = f"{req.distribution} ({req.purpose}) is {state} on {', '.join(needed_on)}: {detail}"
         if req.required:
-            raise _activation_error(contribution, message)
+            raise contribution.error(message)
         problems.append(message)
         warnings.warn(f"patch {contribution.name!r}: {message}", RuntimeWarning, stacklevel=3)
     return kernels, problems
@@ -137,17 +136,4 @@ def _attributed(contribution: Contribution, fn: Callable[..., T], *args: Any) ->
     except ActivationError:
         raise
     except Exception as exc:
-        text = str(exc).strip()
-        raise _activation_error(contribution, f"{type(exc).__name__}: {text}" if text else type(exc).__name__) from exc
-
-
-def _activation_error(contribution: Contribution, cause: str) -> ActivationError:
-    record = contribution.plugin
-    return ActivationError(
-        plugin=record.name,
-        distribution=record.distribution,
-        version=record.version,
-        obj=contribution.name,
-        cause=cause,
-        concern="patches",
-    )
+        raise contribution.error(_describe(exc)) from exc
