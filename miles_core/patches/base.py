@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from miles_core.errors import MilesError
@@ -81,12 +81,7 @@ class ProbeResult:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "max_abs_diff": self.max_abs_diff,
-            "tolerance": self.tolerance,
-            "detail": self.detail,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)

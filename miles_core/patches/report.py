@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from miles_core.patches.base import ProbeResult
@@ -24,17 +25,7 @@ class PatchReport:
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "plugin": self.plugin,
-            "distribution": self.distribution,
-            "version": self.version,
-            "classes": list(self.classes),
-            "groups": {k: list(v) for k, v in self.groups.items()},
-            "kernels": dict(self.kernels),
-            "probe": self.probe.to_dict() if self.probe else None,
-            "warnings": list(self.warnings),
-        }
+        return _plain(self)
 
 
 @dataclass(frozen=True)
@@ -61,9 +52,9 @@ class PrepareReport:
         return any(p.name == name for p in self.patches)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "patches": [p.to_dict() for p in self.patches],
-            "not_matched": list(self.not_matched),
-            "packing_scope": self.packing_scope,
-        }
+        return _plain(self)
+
+
+def _plain(report: PatchReport | PrepareReport) -> dict[str, Any]:
+    """Nested dicts, lists and scalars: what the report looks like as JSON."""
+    return json.loads(json.dumps(asdict(report)))
