@@ -20,6 +20,7 @@ Status = Literal["ok", "fail", "skip", "info"]
 CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("plugins", "miles_core.doctor:check_plugins"),
     ("patches", "miles_core.patches.doctor:check"),
+    ("ci", "miles_core.ci.doctor:check"),
 )
 
 
