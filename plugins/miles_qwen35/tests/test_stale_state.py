@@ -18,7 +18,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import prepare_model
 from miles_core.patches.packing import PACKING_KWARG
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=22, suite="stage-a-cpu")
 
 
 @pytest.fixture
