@@ -106,7 +106,7 @@ def _packing_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.pop(PACKING_KWARG, None)
-        if not getattr(self, LAYER_FLAG, False):
+        if not layer_enabled(self):
             return original(self, *args, **kwargs)
         if model_scope_open() and current_packed_sequences() is not ctx:
             raise PackingError(
