@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from miles_core.hardware.base import CheckpointIOPolicy, Detection, FixReport, HardwareBackend, torch_build
-from miles_core.hardware.megatron_cpu import MegatronCpuFixes
+
+if TYPE_CHECKING:
+    from miles_core.hardware.megatron_cpu import MegatronCpuFixes
 
 
 class CpuBackend(HardwareBackend):
@@ -17,7 +21,7 @@ class CpuBackend(HardwareBackend):
     checkpoint_io = CheckpointIOPolicy("host-only", "tensors already live in host memory")
 
     def __init__(self) -> None:
-        self._megatron = MegatronCpuFixes()
+        self._megatron: MegatronCpuFixes | None = None
 
     def detect(self) -> Detection:
         import torch
@@ -30,11 +34,19 @@ class CpuBackend(HardwareBackend):
         return 1
 
     def apply(self) -> list[FixReport]:
-        return [self._megatron.apply()]
+        return [self._megatron_fixes().apply()]
 
     def revert(self) -> None:
-        self._megatron.revert()
+        if self._megatron is not None:
+            self._megatron.revert()
 
     def verify(self) -> None:
         super().verify()
-        self._megatron.verify()
+        self._megatron_fixes().verify()
+
+    def _megatron_fixes(self) -> MegatronCpuFixes:
+        if self._megatron is None:  # imported here: plugin discovery must not pay for it
+            from miles_core.hardware.megatron_cpu import MegatronCpuFixes
+
+            self._megatron = MegatronCpuFixes()
+        return self._megatron
