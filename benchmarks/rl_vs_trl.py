@@ -31,16 +31,16 @@ from pathlib import Path
 from miles_core.assets.char_model import write_char_model
 
 TARGET = 0.9
-MAX_NEW_TOKENS = 2
+MAX_NEW_TOKENS = 1  # the reward reads only the first generated token
 GENERATIONS = 8
 TRL_LR = 1e-3
 TRL_COMPLETIONS_PER_STEP = 32
 MILES_SETTINGS = {
-    "rollout": {"path": "direct", "prompts_per_step": 16, "samples_per_prompt": GENERATIONS,
+    "rollout": {"path": "direct", "prompts_per_step": 16, "samples_per_prompt": 16,
                 "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0},
-    "algorithm": {"lr": 3e-3},
+    "algorithm": {"lr": 2e-3, "entropy_coef": 0.02},
     "task": {"name": "arith-add", "reward": "miles_core.rl.builtin:first_token_reward"},
-    "trainer": {"device": "cpu"},
+    "trainer": {"device": "cpu", "max_tokens_per_row": 512},
     "run": {"eval_every": 1, "stop_at_accuracy": TARGET, "progress": False, "plot": False},
 }
 
@@ -105,6 +105,7 @@ def run_trl(model_dir: Path, seed: int, cap_s: float) -> dict:
         per_device_train_batch_size=TRL_COMPLETIONS_PER_STEP, max_completion_length=MAX_NEW_TOKENS,
         temperature=1.0, beta=0.0, max_steps=100_000, logging_steps=10_000, save_strategy="no",
         report_to="none", use_cpu=True, seed=seed, data_seed=seed, disable_tqdm=True, bf16=False,
+        gradient_checkpointing=False,
     )
     dataset = Dataset.from_dict({"prompt": [p for p, _ in items] * 200})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,

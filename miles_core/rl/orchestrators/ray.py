@@ -171,17 +171,11 @@ class RolloutWorker:
 
             self.rollout: Any = DirectRollout(_EngineHandle(engine), tokenizer, config.rollout, config.run.seed)
         else:
-            from miles_core.rl.rollout.agentic import AgenticRollout
-            from miles_core.rl.sandboxes import WarmSandbox
+            from miles_core.rl.rollout.agentic import AgenticRollout, tool_sandbox
 
-            task = resolve_task(config, get_plugin_manager())
-            tools = getattr(task, "tools", ())
-            sandbox = None
-            if tools:
-                sandbox = WarmSandbox(get_plugin_manager(), config.reward.sandbox_provider, "tools", self.aio,
-                                      config.reward.timeout_s)
-                for tool in tools:
-                    self.aio.run(sandbox.install(f"tool_{tool.name}.py", tool.program))
+            pm = get_plugin_manager()
+            tools = getattr(resolve_task(config, pm), "tools", ())
+            sandbox = tool_sandbox(config, pm, self.aio, tools)
             self.rollout = AgenticRollout(session_url, tokenizer, config.rollout, config.run.seed, self.aio, tools, sandbox)
 
     def run(self, prompts: Sequence[Prompt], step: int, first_index: int) -> list[Any]:

@@ -59,12 +59,9 @@ class AgenticRollout:
                 version=config.rollout.session_version,
             )
             url = stack.enter_context(serve_in_thread(session_config, pm=pm))
-            sandbox = None
-            if tools:
-                sandbox = WarmSandbox(pm, config.reward.sandbox_provider, "tools", aio, config.reward.timeout_s)
+            sandbox = tool_sandbox(config, pm, aio, tools)
+            if sandbox is not None:
                 stack.callback(sandbox.close)
-                for tool in tools:
-                    aio.run(sandbox.install(f"tool_{tool.name}.py", tool.program))
             rollout = cls(url, tokenizer, config.rollout, config.run.seed, aio, tools, sandbox)
         except BaseException:
             stack.close()
@@ -155,6 +152,16 @@ class AgenticRollout:
         self.aio.run(self._client.close())
         for close in reversed(self._closers):
             close()
+
+
+def tool_sandbox(config: TrainConfig, pm: Any, aio: BackgroundLoop, tools: Sequence[SandboxTool]) -> WarmSandbox | None:
+    """A warm sandbox with every tool's program installed (``None`` when there are no tools)."""
+    if not tools:
+        return None
+    sandbox = WarmSandbox(pm, config.reward.sandbox_provider, "tools", aio, config.reward.timeout_s)
+    for tool in tools:
+        aio.run(sandbox.install(f"tool_{tool.name}.py", tool.program))
+    return sandbox
 
 
 async def _make_client(concurrency: int) -> Any:
