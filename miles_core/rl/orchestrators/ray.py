@@ -260,11 +260,11 @@ class _RayRollout:
 
 def build_ray(config: TrainConfig, pm: Any) -> Runtime:
     import ray
-    from miles_core.hardware import activate
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from transformers import AutoTokenizer
 
+    from miles_core.hardware import activate
     from miles_core.rl.rollout.direct import DirectRollout
 
     task = resolve_task(config, pm)
