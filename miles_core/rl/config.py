@@ -177,14 +177,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "task": {"name": "arith-add"},
         "rollout": {
             "path": "agentic",
-            "prompts_per_step": 16,
-            "samples_per_prompt": 8,
-            "max_new_tokens": 2,
+            "prompts_per_step": 8,
+            "samples_per_prompt": 16,
+            "max_new_tokens": 1,
             "session_version": "v1",
         },
-        "algorithm": {"lr": 2e-3},
-        "trainer": {"backend": "hf", "device": "cpu"},
-        "run": {"steps": 120, "eval_every": 5, "stop_at_accuracy": 0.95, "out_dir": "runs/tiny"},
+        "algorithm": {"lr": 1e-3},
+        "trainer": {"backend": "hf", "device": "auto", "max_tokens_per_row": 1024},
+        "run": {"steps": 200, "eval_every": 5, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
     },
     # One GPU: the ~0.5B Qwen3.5-architecture preset in bf16, in-process.
     "small-gpu": {
