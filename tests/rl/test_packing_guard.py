@@ -28,6 +28,8 @@ def test_unpatched_gdn_model_is_refused_naming_the_fix():
     message = str(info.value)
     assert "Gated DeltaNet" in message and "miles[qwen35]" in message and "trainer.packing=false" in message
     assert check_packing_safe(model, packing=False) is None  # unpacked rows cannot leak
+    with pytest.raises(PackingLeakError, match=r"Qwen3_5GatedDeltaNet.*no model patch applied"):
+        check_packing_safe(model, packing=True, applied={"other-patch": ["some.OtherClass"]})
 
 
 def test_attention_only_models_are_not_probed():
@@ -46,6 +48,6 @@ def test_patched_gdn_model_passes():
     from miles_core.patches import prepare_model
 
     model = _tiny_qwen35()
-    prepare_model(model)
-    leak = check_packing_safe(model, packing=True)
+    report = prepare_model(model)
+    leak = check_packing_safe(model, packing=True, applied=report.applied)
     assert leak is not None and leak <= 1e-4

@@ -41,7 +41,8 @@ class HFTrainer:
         self.device = device
         self.model = load_causal_lm(self.model_dir, config.model.dtype, device)
         patch_report = prepare_model(self.model)
-        leak = check_packing_safe(self.model, packing=config.trainer.packing)
+        applied = getattr(patch_report, "applied", None)
+        leak = check_packing_safe(self.model, packing=config.trainer.packing, applied=applied)
         if config.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
