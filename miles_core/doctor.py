@@ -17,7 +17,10 @@ from miles_core.plugins import MilesPluginManager, import_object
 Status = Literal["ok", "fail", "skip", "info"]
 
 #: (concern, "module:function"), run in this order
-CONCERN_CHECKS: tuple[tuple[str, str], ...] = (("plugins", "miles_core.doctor:check_plugins"),)
+CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
+    ("plugins", "miles_core.doctor:check_plugins"),
+    ("ci", "miles_core.ci.doctor:check"),
+)
 
 
 @dataclass
