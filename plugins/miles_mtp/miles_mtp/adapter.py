@@ -11,7 +11,6 @@ probe observed for that class. Installed on a model (:func:`install`), it wraps 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
-MARKER = "__miles_mtp_adapter__"
 #: keyword arguments the adapter owns: a caller passing them would shift a second time
 ADAPTER_OWNED = frozenset({"labels", "mtp_labels", "mtp_kwargs"})
 
@@ -60,20 +58,21 @@ class LabelAdapter:
         return self.convention.interface.kwargs(labels, mask)
 
 
-def installed_adapter(model: Any) -> LabelAdapter | None:
-    return getattr(model.forward, MARKER, None)
+class AdaptedForward:
+    """``module.forward`` behind the label adapter: an inspectable object (the module, its
+    adapter, the forward it wraps) whose signature is the wrapped forward's."""
 
+    def __init__(self, module: Any, adapter: LabelAdapter, inner: Any = None) -> None:
+        self.module = module
+        self.adapter = adapter
+        self.inner = inner  # an instance-level forward found on the module, else None: the class's
+        self.__signature__ = inspect.signature(self._target())
 
-def install(model: Any, adapter: LabelAdapter) -> None:
-    """Wrap ``model.forward`` (this instance only) so it takes the canonical contract."""
-    original = model.forward
-    while hasattr(original, MARKER):  # re-installing replaces, never stacks
-        original = original.__wrapped__
-    signature = inspect.signature(original)
+    def _target(self) -> Any:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
 
-    @functools.wraps(original)
-    def forward(*args: Any, loss_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs)
+    def __call__(self, *args: Any, loss_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        bound = self.__signature__.bind_partial(*args, **kwargs)
         owned = sorted(ADAPTER_OWNED & bound.arguments.keys())
         if owned:
             raise LabelContractError(
@@ -86,13 +85,23 @@ def install(model: Any, adapter: LabelAdapter) -> None:
                 "loss_mask is required by the MTP label contract: loss_mask[i] = 1 trains the "
                 "prediction of input_ids[i + 1] (all zeros when nothing is trained)"
             )
-        cp_group = context_parallel_group(model)
+        cp_group = context_parallel_group(self.module)
         layout = sequence_layout(bound.arguments.get("packed_seq_params"), cp_group)
         batch = MTPBatch(bound.arguments["input_ids"], loss_mask, layout)
-        return original(*args, **kwargs, **adapter.model_kwargs(batch, cp_group))
+        return self._target()(*args, **kwargs, **self.adapter.model_kwargs(batch, cp_group))
 
-    setattr(forward, MARKER, adapter)
-    model.forward = forward
+
+def installed_adapter(model: Any) -> LabelAdapter | None:
+    forward = model.__dict__.get("forward")
+    return forward.adapter if isinstance(forward, AdaptedForward) else None
+
+
+def install(model: Any, adapter: LabelAdapter) -> None:
+    """Put ``adapter`` in front of ``model.forward`` (this instance only); re-installing replaces."""
+    inner = model.__dict__.get("forward")
+    if isinstance(inner, AdaptedForward):
+        inner = inner.inner
+    model.forward = AdaptedForward(model, adapter, inner)
 
 
 def context_parallel_group(model: Any) -> Any:

@@ -80,9 +80,10 @@ class MTPBatch:
 
 
 def document_last_positions(layout: SequenceLayout, local_len: int) -> list[int]:
-    """Local positions holding a document's last token (on this rank)."""
-    stops = {stop - 1 for _, stop in layout.documents(local_len)}
-    return [i for i, g in enumerate(layout.global_positions(local_len)) if g in stops]
+    """Local positions holding a document's last token (on this rank: the end of the document's
+    last chunk, which the rank may or may not hold)."""
+    last_chunk = layout.chunks_per_document - 1
+    return [span.hi - 1 for span in layout.chunk_spans(local_len) if span.chunk == last_chunk]
 
 
 def expected_depth(

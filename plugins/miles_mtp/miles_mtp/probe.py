@@ -18,6 +18,7 @@ laptop and inside a 1000-GPU job. It never sees tensor-parallel or context-paral
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import warnings
@@ -30,6 +31,7 @@ from miles_mtp.conventions import (
     Convention,
     Interface,
     ModelPath,
+    path_for,
     qualified_name,
 )
 
@@ -287,3 +289,25 @@ def _unidentified(
         head = ", ".join(f"{v:.3g}" for v in got.reshape(-1)[:12].tolist())
         return f"depth {depth} {what}: no per-document shift of its input (observed {head}, ...)"
     return f"no MTP depth reported its {what}"
+
+
+@functools.cache
+def convention_of(model_cls: type) -> Convention | None:
+    """:func:`detect` for the path ``model_cls`` belongs to, once per class and process."""
+    path = path_for(model_cls)
+    if path is None:
+        raise LabelContractError(f"{qualified_name(model_cls)} belongs to no known MTP model path")
+    return detect(path, model_cls)
+
+
+def installed_conventions() -> dict[str, tuple[Convention | None, str | None]]:
+    """Per model path of the installed megatron-core: (convention or None, registration problem)."""
+    from miles_mtp.conventions import PATHS
+
+    out: dict[str, tuple[Convention | None, str | None]] = {}
+    for path in PATHS:
+        try:
+            out[path.name] = (detect(path), None)
+        except LabelContractError as exc:
+            out[path.name] = (None, str(exc))
+    return out

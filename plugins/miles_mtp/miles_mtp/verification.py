@@ -23,13 +23,12 @@ if TYPE_CHECKING:
     import torch
 
 
-def verification_batches(depths: int, pad_to_multiple: int = 1) -> list[MTPBatch]:
+def verification_batches(depths: int, pad_to_multiple: int = 1, vocab_size: int = 256) -> list[MTPBatch]:
     """Deterministic canonical batches in which every depth up to ``depths`` trains something:
-    three packed documents (prompt, response, and one document fully trained), and the same
-    documents as padded rows."""
+    three packed documents of prompt and response spans, and the same documents as padded rows."""
     samples = []
     for doc, (prompt, response) in enumerate(((3, depths + 4), (2, depths + 6), (1, depths + 2))):
-        ids = [(7 * doc + 3 * j) % 251 + 1 for j in range(prompt + response)]
+        ids = [(7 * doc + 3 * j) % (vocab_size - 1) + 1 for j in range(prompt + response)]
         samples.append((ids, [0] * prompt + [1] * response))
     return [pack(samples, pad_to_multiple), rows(samples)]
 
@@ -148,3 +147,65 @@ def _tensors(kwargs: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor
         elif isinstance(value, torch.Tensor):
             out[prefix + key] = value
     return out
+
+
+def observe_model(module: Any, batch: MTPBatch) -> dict[int, Observation]:
+    """Run a real forward of ``module`` (adapter installed) on a row batch and return what each
+    depth's loss received. Depths are identified by call order: megatron computes the MTP
+    losses, depth 1 first, before the main head's. Parameters' ``.grad`` are left untouched."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    if batch.layout.cu_seqlens is not None or batch.layout.cp_size != 1:
+        raise LabelContractError("observe_model runs padded rows (one document per row) only")
+    device = next(module.parameters()).device
+    tokens, mask = batch.tokens.to(device), batch.loss_mask.to(device)
+    batch_size, seq_len = tokens.shape
+    own = module.__dict__.get("compute_language_model_loss")  # an instance override to restore
+    original = module.compute_language_model_loss
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def spy(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        loss = original(labels, logits)
+        calls.append((labels.detach().clone(), loss))
+        return loss
+
+    was_training = module.training
+    previous_scale = MTPLossAutoScaler.main_loss_backward_scale
+    module.compute_language_model_loss = spy
+    module.eval()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    try:
+        output = module(
+            input_ids=tokens,
+            position_ids=torch.arange(seq_len, device=device).expand(batch_size, seq_len),
+            attention_mask=torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None],
+            loss_mask=mask,
+        )
+        depths = module.config.mtp_num_layers
+        losses = [loss for _, loss in calls[:depths]]
+        weights = torch.autograd.grad(output.float().sum(), losses, allow_unused=True)
+    finally:
+        MTPLossAutoScaler.set_loss_scale(previous_scale)
+        if own is None:
+            del module.compute_language_model_loss
+        else:
+            module.compute_language_model_loss = own
+        module.train(was_training)
+    observed = {
+        depth + 1: Observation(labels.cpu(), (w if w is not None else torch.zeros_like(loss)).detach().cpu())
+        for depth, ((labels, loss), w) in enumerate(zip(calls[:depths], weights))
+    }
+    if len(calls) > depths:
+        observed[0] = Observation(
+            calls[depths][0].cpu(), torch.ones_like(calls[depths][0], dtype=torch.float32)
+        )
+    return observed
+
+
+def check_model(module: Any, vocab_size: int) -> list[str]:
+    """Problems of a real forward of ``module`` on the padded-row verification batch."""
+    depths = module.config.mtp_num_layers
+    batch = verification_batches(depths, vocab_size=vocab_size)[1]
+    observed = observe_model(module, batch)
+    return contract_violations(observed, batch.tokens, batch.loss_mask, None, depths)
