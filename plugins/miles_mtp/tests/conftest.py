@@ -160,3 +160,38 @@ def doubles() -> SimpleNamespace:
         PlainRollGPTModel=PlainRollGPTModel,
         DoubleShiftGPTModel=DoubleShiftGPTModel,
     )
+
+
+def bare_model(cls: type, depths: int) -> Any:
+    """An instance of ``cls`` carrying only a config with ``depths`` MTP layers: enough for the
+    patch to find it, install an adapter on it and verify that adapter against its class."""
+    from miles_mtp.probe import probe_config
+
+    model = cls.__new__(cls)
+    torch.nn.Module.__init__(model)
+    model.config = probe_config(depths)
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_bare_model():
+    return bare_model
+
+
+@pytest.fixture
+def megatron_state(miles_pm_factory):
+    """megatron's parallel state at world size 1 on the cpu backend, with a plugin manager holding
+    the core's built-ins and miles-mtp (so prepare_model applies the ``mtp-labels`` patch)."""
+    from miles_mtp import plugin
+
+    from miles_core.hardware.megatron_state import single_rank_parallel_state
+
+    pm = miles_pm_factory(builtins=True, plugins=[("miles-mtp", plugin)])
+    with single_rank_parallel_state(seed=0) as hw:
+        yield pm, hw
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # megatron-core 0.16.1 announces future API changes on every layer it builds
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:megatron.*")
+    config.addinivalue_line("filterwarnings", "ignore::UserWarning:megatron.*")
