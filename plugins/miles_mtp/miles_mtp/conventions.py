@@ -15,6 +15,7 @@ observes it and records it as a :class:`Convention`.
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,9 @@ class ModelPath:
     def load(self) -> type | None:
         """The installed class, or None when this megatron-core does not ship it."""
         try:
-            module = importlib.import_module(self.module)
+            with warnings.catch_warnings():  # megatron's notes that TE and Apex are absent (CPU)
+                warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
+                module = importlib.import_module(self.module)
         except ImportError:
             return None
         return getattr(module, self.class_name, None)

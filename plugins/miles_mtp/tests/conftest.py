@@ -182,9 +182,8 @@ def make_bare_model():
 def megatron_state(miles_pm_factory):
     """megatron's parallel state at world size 1 on the cpu backend, with a plugin manager holding
     the core's built-ins and miles-mtp (so prepare_model applies the ``mtp-labels`` patch)."""
-    from miles_mtp import plugin
-
     from miles_core.hardware.megatron_state import single_rank_parallel_state
+    from miles_mtp import plugin
 
     pm = miles_pm_factory(builtins=True, plugins=[("miles-mtp", plugin)])
     with single_rank_parallel_state(seed=0) as hw:
