@@ -130,6 +130,8 @@ def forward_losses(model: Any, batch: MTPBatch) -> tuple[torch.Tensor, tuple[flo
     import torch
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from miles_core.hardware.megatron_state import causal_attention_mask
+
     batch = execution_batch(model, batch)
     device = next(model.parameters()).device
     tokens, mask = batch.tokens.to(device), batch.float_mask().to(device)
@@ -144,7 +146,7 @@ def forward_losses(model: Any, batch: MTPBatch) -> tuple[torch.Tensor, tuple[flo
     output = model(
         input_ids=tokens,
         position_ids=torch.arange(seq_len, device=device).expand(rows_, seq_len),
-        attention_mask=torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None],
+        attention_mask=causal_attention_mask(seq_len, device),
         loss_mask=mask,
         **kwargs,
     )

@@ -156,6 +156,8 @@ def observe_model(module: Any, batch: MTPBatch) -> dict[int, Observation]:
     import torch
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
+    from miles_core.hardware.megatron_state import causal_attention_mask
+
     if batch.layout.cu_seqlens is not None or batch.layout.cp_size != 1:
         raise LabelContractError("observe_model runs padded rows (one document per row) only")
     device = next(module.parameters()).device
@@ -179,7 +181,7 @@ def observe_model(module: Any, batch: MTPBatch) -> dict[int, Observation]:
         output = module(
             input_ids=tokens,
             position_ids=torch.arange(seq_len, device=device).expand(batch_size, seq_len),
-            attention_mask=torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None],
+            attention_mask=causal_attention_mask(seq_len, device),
             loss_mask=mask,
         )
         depths = module.config.mtp_num_layers

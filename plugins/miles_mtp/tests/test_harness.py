@@ -18,6 +18,7 @@ from miles_mtp.probe import observe, probe_config
 from miles_mtp.verification import observe_model, verification_batches
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.hardware.megatron_state import causal_attention_mask
 from miles_core.patches import PatchVerificationError
 
 register_cpu_ci(est_time=12, suite="stage-a-cpu")
@@ -101,7 +102,7 @@ def test_the_adapted_model_refuses_labels_and_a_missing_mask(tiny):
     model, _ = tiny
     batch = rows(samples_of(pack([arithmetic_sample(random.Random(0), VOCAB)])))
     seq = batch.tokens.shape[1]
-    args = (batch.tokens, torch.arange(seq)[None], torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None])
+    args = (batch.tokens, torch.arange(seq)[None], causal_attention_mask(seq))
     with pytest.raises(LabelContractError, match="would shift twice"):
         model(*args, labels=batch.tokens, loss_mask=batch.loss_mask)
     with pytest.raises(LabelContractError, match="loss_mask is required"):
