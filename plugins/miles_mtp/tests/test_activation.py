@@ -14,7 +14,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ActivationError
 from miles_core.patches import prepare_model
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.hardware.megatron_state import causal_attention_mask
 from miles_core.patches import PatchVerificationError
 
-register_cpu_ci(est_time=12, suite="stage-a-cpu")
+register_cpu_ci(est_time=18, suite="stage-a-cpu")
 
 VOCAB = 32
 

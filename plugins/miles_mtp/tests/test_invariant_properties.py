@@ -18,7 +18,7 @@ from miles_mtp.verification import check_adapter, simulate_context_parallel
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=25, suite="stage-a-cpu")
+register_cpu_ci(est_time=14, suite="stage-a-cpu")
 
 NAMES = ["upstream-gpt", "fork-gpt", "mamba"]
 

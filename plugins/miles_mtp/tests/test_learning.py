@@ -8,7 +8,7 @@ from miles_mtp.experiment import learning_run
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=16, suite="stage-a-cpu")
 
 STEPS = 60
 
