@@ -43,8 +43,8 @@ class LabelAdapter:
     def path_inputs(self, tokens: T, loss_mask: T, shift: Callable[[T, int], T]) -> tuple[T, T]:
         """Labels and mask for the model, with ``shift(x, direction)`` doing one per-document roll."""
         labels = tokens if self.convention.label_pre_shifts == 1 else shift(tokens, LEFT)
-        # the model rolls its mask once more than its labels: hand it the mask one position
-        # behind. Exact, because the canonical mask is 0 at every document's last position.
+        # a model that rolls its mask once before the per-depth rolls gets it one position
+        # behind: exact, because the canonical mask is 0 at every document's last position
         mask = loss_mask if self.convention.mask_pre_shifts == 0 else shift(loss_mask, RIGHT)
         return labels, mask
 

@@ -98,15 +98,15 @@ def simulate_context_parallel(
     return kwargs, observed
 
 
-def check_context_parallel(
-    adapter: LabelAdapter, model: Convention, depths: int, cp_size: int = 2
+def context_parallel_violations(
+    adapter: LabelAdapter, model: Convention, batch: MTPBatch, depths: int, cp_size: int = 2
 ) -> list[str]:
-    """Problems of the adapter feeding a model of convention ``model`` under a simulated
-    ``cp_size``-way context-parallel split of the verification batch."""
+    """Problems of the adapter feeding a model of convention ``model`` when ``batch`` (whole) is
+    split ``cp_size`` ways: every rank's inputs must be its shard of the unsplit inputs, and what
+    each depth trains on must meet the invariant."""
     import torch
 
     problems = []
-    batch = verification_batches(depths, pad_to_multiple=2 * cp_size)[0]
     cu = batch.layout.cu_seqlens
     sharded, observed = simulate_context_parallel(adapter, model, batch, depths, cp_size)
     whole = adapter.model_kwargs(batch)
@@ -120,6 +120,14 @@ def check_context_parallel(
         f"cp={cp_size}: {p}" for p in contract_violations(observed, batch.tokens, batch.loss_mask, cu, depths)
     ]
     return problems
+
+
+def check_context_parallel(
+    adapter: LabelAdapter, model: Convention, depths: int, cp_size: int = 2
+) -> list[str]:
+    """:func:`context_parallel_violations` on the packed verification batch."""
+    batch = verification_batches(depths, pad_to_multiple=2 * cp_size)[0]
+    return context_parallel_violations(adapter, model, batch, depths, cp_size)
 
 
 def verify_adapter(

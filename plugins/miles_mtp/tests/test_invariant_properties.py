@@ -5,16 +5,14 @@ simulated 2-way context-parallel split."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from miles_mtp.adapter import LabelAdapter
 from miles_mtp.batching import pack, rows
-from miles_mtp.contract import contract_violations
 from miles_mtp.conventions import path_for
 from miles_mtp.probe import detect
-from miles_mtp.roll import SequenceLayout, shard
-from miles_mtp.verification import check_adapter, simulate_context_parallel
+from miles_mtp.roll import roll
+from miles_mtp.verification import check_adapter, context_parallel_violations
 
 from miles_core.ci.register import register_cpu_ci
 
@@ -65,15 +63,18 @@ def test_every_depth_trains_on_the_token_it_should_under_two_way_context_paralle
 ):
     _, convention, adapter = adapters[name]
     batch = pack(samples, pad_to_multiple=4)
-    cu = batch.layout.cu_seqlens
-    sharded, observed = simulate_context_parallel(adapter, convention, batch, depths, cp_size=2)
-    assert contract_violations(observed, batch.tokens, batch.loss_mask, cu, depths) == []
-    # each rank's model inputs are exactly its shard of the unsplit inputs
-    whole = adapter.model_kwargs(batch)
-    label_key = convention.interface.name if convention.interface.name != "mtp_kwargs" else None
-    for rank, kwargs in enumerate(sharded):
-        layout = SequenceLayout(cu, 2, rank)
-        labels = kwargs["mtp_kwargs"]["mtp_labels"] if label_key is None else kwargs[label_key]
-        whole_labels = whole["mtp_kwargs"]["mtp_labels"] if label_key is None else whole[label_key]
-        assert torch.equal(labels, shard(whole_labels, layout))
-        assert torch.equal(kwargs["loss_mask"], shard(whole["loss_mask"], layout))
+    assert context_parallel_violations(adapter, convention, batch, depths, cp_size=2) == []
+
+
+def test_a_roll_that_ignores_the_other_rank_is_caught(adapters, monkeypatch):
+    """Negative control of the CP check: each rank rolling its shard alone (no exchange)."""
+    import miles_mtp.verification as verification
+
+    def local_only(shards, shift, cu_seqlens):
+        return [roll(piece, shift) for piece in shards]
+
+    monkeypatch.setattr(verification, "roll_shards", local_only)
+    _, convention, adapter = adapters["upstream-gpt"]
+    batch = pack([(list(range(1, 13)), [0] * 3 + [1] * 9)], pad_to_multiple=4)
+    problems = context_parallel_violations(adapter, convention, batch, depths=1, cp_size=2)
+    assert any("differ from its labels unsplit" in p for p in problems), problems

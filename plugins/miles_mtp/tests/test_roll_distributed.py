@@ -31,8 +31,9 @@ def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.multi_token_prediction import roll_tensor
-    from miles_core.hardware import activate
     from miles_mtp.roll import LEFT, RIGHT, SequenceLayout, roll, shard
+
+    from miles_core.hardware import activate
 
     activate()  # the cpu backend: megatron's CP roll allocates on torch.cuda.current_device()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=CP)
