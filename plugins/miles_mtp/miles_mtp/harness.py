@@ -14,8 +14,9 @@ This is what the megatron trainer backend of ``miles train`` reuses::
         result.main_loss, result.mtp_losses                   # mtp_losses[0] is depth 1
 
 ``build_tiny_gpt`` prepares the model through :func:`miles_core.patches.prepare_model`, which
-installs and verifies the MTP label adapter (the ``mtp-labels`` patch). :func:`train_step` and
-:func:`forward_losses` work on any prepared megatron model with MTP, not only tiny ones.
+installs and verifies the MTP label adapter (the ``mtp-labels`` patch). :func:`train_step`,
+:func:`evaluate` and, for other objectives (RL), :func:`forward_token_losses` (per-token negative
+log-likelihoods plus the MTP losses) work on any prepared megatron model with MTP.
 """
 
 from __future__ import annotations
@@ -121,12 +122,29 @@ def execution_batch(model: Any, batch: MTPBatch) -> MTPBatch:
     return batch
 
 
-def forward_losses(model: Any, batch: MTPBatch) -> tuple[torch.Tensor, tuple[float, ...]]:
-    """One training-mode forward through the installed adapter.
+@dataclass(frozen=True)
+class TokenLosses:
+    """One forward's per-token main loss and per-depth MTP losses.
 
-    Returns the main loss (a differentiable scalar whose backward also carries every MTP depth's
-    gradient, injected by megatron's ``MTPLossAutoScaler``) and each depth's MTP loss value.
+    ``nll[r, i]`` is ``-log p(tokens[r, i + 1] | tokens[r, :i + 1])`` for the batch *as executed*
+    (``batch``: packed documents run as padded rows on megatron's local attention, in sample
+    order), so ``-nll`` gives the log-probabilities an RL objective needs. It is differentiable,
+    and a backward through it also carries every MTP depth's gradient (megatron injects it with
+    ``MTPLossAutoScaler``). ``mtp_losses[k - 1]`` is depth k's loss over the positions it trains.
     """
+
+    batch: MTPBatch
+    nll: torch.Tensor
+    mtp_losses: tuple[float, ...]
+
+    def mean_nll(self) -> torch.Tensor:
+        """The main next-token loss: ``nll`` averaged over the positions ``loss_mask`` trains."""
+        mask = self.batch.float_mask().to(self.nll.device)
+        return (self.nll * mask).sum() / mask.sum().clamp(min=1)
+
+
+def forward_token_losses(model: Any, batch: MTPBatch) -> TokenLosses:
+    """One training-mode forward of a prepared megatron model with MTP, through its adapter."""
     import torch
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -155,11 +173,17 @@ def forward_losses(model: Any, batch: MTPBatch) -> tuple[torch.Tensor, tuple[flo
         output = torch.nn.functional.cross_entropy(
             output.float().transpose(1, 2), targets.to(device), reduction="none"
         )
-    main = (output * mask).sum() / mask.sum().clamp(min=1)
     values = MTPLossLoggingHelper.tracker["values"]
     mtp = tuple(float(v) for v in values)
     values.zero_()
-    return main, mtp
+    return TokenLosses(batch, output, mtp)
+
+
+def forward_losses(model: Any, batch: MTPBatch) -> tuple[torch.Tensor, tuple[float, ...]]:
+    """The main loss (differentiable; its backward carries the MTP gradients too) and each depth's
+    MTP loss, from one training-mode forward."""
+    losses = forward_token_losses(model, batch)
+    return losses.mean_nll(), losses.mtp_losses
 
 
 def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: MTPBatch) -> MTPLosses:

@@ -12,7 +12,14 @@ from miles_mtp.adapter import installed_adapter
 from miles_mtp.batching import pack, rows, samples_of
 from miles_mtp.contract import LabelContractError
 from miles_mtp.experiment import ExtraShiftAdapter, arithmetic_sample
-from miles_mtp.harness import TinyGPTConfig, build_tiny_gpt, evaluate, forward_losses, train_step
+from miles_mtp.harness import (
+    TinyGPTConfig,
+    build_tiny_gpt,
+    evaluate,
+    forward_losses,
+    forward_token_losses,
+    train_step,
+)
 from miles_mtp.patch import MTPLabelPatch
 from miles_mtp.probe import observe, probe_config
 from miles_mtp.verification import observe_model, verification_batches
@@ -107,3 +114,18 @@ def test_the_adapted_model_refuses_labels_and_a_missing_mask(tiny):
         model(*args, labels=batch.tokens, loss_mask=batch.loss_mask)
     with pytest.raises(LabelContractError, match="loss_mask is required"):
         model(*args)
+
+
+def test_token_losses_come_per_sample_row_and_do_not_leak_between_rows(tiny):
+    model, _ = tiny
+    samples = [arithmetic_sample(random.Random(i), VOCAB) for i in range(3)]
+    with torch.no_grad():
+        together = forward_token_losses(model, pack(samples))
+        alone = [forward_token_losses(model, pack([sample])) for sample in samples]
+    assert together.batch.tokens.shape[0] == 3  # packed documents ran as padded rows, in order
+    for row, (sample, single) in enumerate(zip(samples, alone)):
+        length = len(sample[0])
+        assert together.batch.tokens[row, :length].tolist() == sample[0]
+        assert torch.allclose(together.nll[row, :length], single.nll[0], atol=1e-5), row
+    mask = together.batch.float_mask()
+    assert torch.allclose(together.mean_nll(), (together.nll * mask).sum() / mask.sum())
