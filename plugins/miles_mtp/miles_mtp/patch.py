@@ -16,9 +16,10 @@ Imported at plugin discovery: no torch or megatron at the top. Activation, in th
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from miles_core.patches.base import AppliedPatch, PatchError, PatchVerificationError, ProbeResult, qualname
+if TYPE_CHECKING:
+    from miles_core.patches.base import AppliedPatch, ProbeResult
 
 #: module prefix of every model class this patch can target
 MEGATRON = "megatron.core"
@@ -58,6 +59,7 @@ class MTPLabelPatch:
         return list(dict.fromkeys(type(module) for _, module in mtp_modules(model)))
 
     def apply(self, model: Any) -> AppliedPatch:
+        from miles_core.patches.base import AppliedPatch, PatchError, qualname
         from miles_mtp.adapter import LabelAdapter, install
         from miles_mtp.probe import convention_of
 
@@ -77,6 +79,7 @@ class MTPLabelPatch:
         return AppliedPatch(classes=classes, groups={k: tuple(v) for k, v in groups.items()})
 
     def verify(self, model: Any) -> None:
+        from miles_core.patches.base import PatchVerificationError, qualname
         from miles_mtp.adapter import installed_adapter
         from miles_mtp.contract import LabelContractError
         from miles_mtp.probe import convention_of
@@ -100,6 +103,7 @@ class MTPLabelPatch:
             raise PatchVerificationError(self.name, problems)
 
     def probe(self, model: Any) -> ProbeResult:
+        from miles_core.patches.base import PatchError, ProbeResult, qualname
         from miles_mtp.verification import check_model
 
         problems = []
