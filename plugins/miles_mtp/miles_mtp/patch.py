@@ -45,6 +45,7 @@ class MTPLabelPatch:
     """Installs and verifies one label adapter per MTP model path of the built model."""
 
     name = "mtp-labels"
+    uses_packing_context = False
     requires = ()
 
     def matches(self, config: Any) -> bool:
