@@ -33,8 +33,13 @@ def test_megatron_backend_trains_token_exactly(miles_pm_factory, direct_override
         "trainer": {"backend": "megatron", "mtp_num_layers": mtp_layers},
         "run": {"steps": 3, "checkpoint_every": 2, "out_dir": str(tmp_path / f"run{mtp_layers}")},
     }])
-    result = train(config, miles_pm_factory(builtins=True))
+    import miles_mtp.plugin
+
+    pm = miles_pm_factory(builtins=True, plugins=[("miles-mtp", miles_mtp.plugin)])
+    result = train(config, pm)
     assert result.report["backend"] == "megatron" and result.report["mtp_num_layers"] == mtp_layers
+    if mtp_layers:  # the label adapter was installed and verified on this GPTModel
+        assert result.report["patches"]["mtp-labels"], result.report["patches"]
     for record in result.records:
         # the engine serves the Hugging Face model: converted weights give the same log-probs
         assert record["logprob_mismatch_max"] <= 1e-4
@@ -44,6 +49,15 @@ def test_megatron_backend_trains_token_exactly(miles_pm_factory, direct_override
         assert all(v > 0 for v in losses)
     checkpoint = tmp_path / f"run{mtp_layers}" / "checkpoints" / "step_000002" / "model"
     assert {"config.json", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+
+
+def test_mtp_needs_the_label_contract(miles_pm_factory, direct_overrides, tmp_path):
+    from miles_core.errors import ConfigError
+
+    config = load_config(overrides=[direct_overrides, {"trainer": {"backend": "megatron", "mtp_num_layers": 1}}])
+    with pytest.raises(ConfigError, match="needs the MTP label contract: install miles-mtp"):
+        train(config, miles_pm_factory(builtins=True))  # miles-mtp not registered
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_megatron_backend_refuses_other_architectures(tmp_path):

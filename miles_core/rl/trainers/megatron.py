@@ -10,9 +10,10 @@ Megatron runs through the selected hardware backend (on CPU, the cpu backend's m
 at world size 1, one document per row (no packed attention without Transformer Engine).
 
 With ``trainer.mtp_num_layers > 0`` the model carries multi-token-prediction layers trained as an
-auxiliary loss (``trainer.mtp_loss_coef``). megatron-core takes next-token ``labels`` and rolls
-them once per depth itself (per document, zero-filled at ends): the labels are built here, once,
-from the raw tokens; nothing else shifts them.
+auxiliary loss (``trainer.mtp_loss_coef``). The model is prepared with
+:func:`miles_core.patches.prepare_model`, where miles-mtp installs (and verifies) the label
+adapter for this megatron-core's convention: the trainer then passes raw ``input_ids`` and the
+token-aligned loss mask only -- never labels -- and the adapter shifts, once.
 """
 
 from __future__ import annotations
@@ -113,9 +114,11 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.T
 
 class MegatronTrainer:
     def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
-        from miles_core.hardware.megatron_state import single_rank_parallel_state
         from safetensors.torch import load_file
         from transformers import AutoConfig
+
+        from miles_core.hardware.megatron_state import single_rank_parallel_state
+        from miles_core.patches import prepare_model
 
         self.model_dir = Path(model_dir)
         self.config = config
@@ -136,11 +139,20 @@ class MegatronTrainer:
         for shard in sorted(self.model_dir.glob("*.safetensors")):
             hf_state.update(load_file(shard))
         self._load_hf(hf_state)
+        patch_report = prepare_model(self.model)
+        applied = getattr(patch_report, "applied", {})
+        if self.mtp_layers and not any(applied.values()):
+            raise ConfigError(
+                "trainer.mtp_num_layers > 0 needs the MTP label contract: install miles-mtp "
+                "(pip install 'miles[mtp]') and do not list it in MILES_DISABLE_PLUGINS"
+            )
         self.model.train()
+        self._mtp_rows = 0
         algo = config.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
         self.settings = UpdateSettings(algo, config.rollout.temperature, trainer.max_tokens_per_row, packing=False)
-        self.report = {"backend": "megatron", "mtp_num_layers": self.mtp_layers, "packing": False}
+        self.report = {"backend": "megatron", "mtp_num_layers": self.mtp_layers, "packing": False,
+                       "patches": applied}
 
     def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
         converted = hf_to_megatron(hf_state, self.hf_config)
@@ -159,11 +171,9 @@ class MegatronTrainer:
         ids = row.input_ids[None].to(self.device)
         kwargs: dict[str, Any] = {}
         logits_seen: list[torch.Tensor] = []
-        if self.mtp_layers:
-            # next-token labels; megatron rolls them (and the mask) once more per MTP depth
-            labels = torch.cat([row.input_ids[1:], row.input_ids[:1] * 0])[None].to(self.device)
-            mask = torch.cat([row.loss_mask[1:], row.loss_mask[:1] * 0])[None].to(self.device)
-            kwargs = {"labels": labels, "loss_mask": mask}
+        if self.mtp_layers:  # the canonical contract: the adapter derives every label from input_ids
+            kwargs = {"loss_mask": row.loss_mask[None].to(self.device)}
+            self._mtp_rows += 1
         # cloned: megatron's cross entropy later works on the logits tensor in place
         hook = self.model.output_layer.register_forward_hook(lambda _m, _i, out: logits_seen.append(out[0].clone()))
         try:
@@ -186,13 +196,12 @@ class MegatronTrainer:
     def _mtp_losses(self) -> dict[str, float]:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-        tracker = MTPLossLoggingHelper.tracker
-        values = tracker.get("values")
-        out = {}
-        if values is not None:
-            for depth, value in enumerate(values.tolist()):
-                out[f"mtp_loss_depth{depth + 1}"] = float(value)
-            MTPLossLoggingHelper.clean_loss_in_tracker()
+        values = MTPLossLoggingHelper.tracker.get("values")
+        rows, self._mtp_rows = self._mtp_rows, 0
+        if values is None or not rows:
+            return {}
+        out = {f"mtp_loss_depth{depth + 1}": float(value) / rows for depth, value in enumerate(values.tolist())}
+        values.zero_()
         return out
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
