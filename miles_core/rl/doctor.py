@@ -15,12 +15,22 @@ OPTIONAL_MODULES = {"ray": "--orchestrator ray", "megatron.core": "trainer.backe
 def check(pm: Any) -> list[CheckResult]:
     from miles_core.rl.config import PRESETS, load_config
 
+    from miles_core.rl.tasks import Task
+
     results = []
-    for contribution in pm.active_contributions("tasks"):
+    # broken task plugins are reported (and fail the doctor) under "plugins"; check the rest
+    for contribution in pm.contributions("tasks"):
         task = contribution.obj
         pm.verify(contribution, task.verify)
-        results.append(CheckResult("train", f"task {task.name}", "ok", f"{len(task.prompts())} prompts; {task.description}",
-                                   plugin=contribution.plugin.name))
+        plugin = contribution.plugin.name
+        if isinstance(task, Task):
+            results.append(CheckResult("train", f"task {task.name}", "ok",
+                                       f"{len(task.prompts())} prompts; {task.description}", plugin=plugin))
+        else:  # verified, but `miles train` cannot use it
+            missing = [a for a in ("description", "reward", "has_accuracy", "tools", "prompts") if not hasattr(task, a)]
+            results.append(CheckResult("train", f"task {task.name}", "info",
+                                       f"verified; not trainable: lacks {', '.join(missing)} (miles_core.rl.tasks.Task)",
+                                       required=False, plugin=plugin))
     for name in PRESETS:
         config = load_config(name)
         results.append(CheckResult("train", f"preset {name}", "ok",
