@@ -113,6 +113,7 @@ class Engine:
         self._seed_source = random.Random(self.config.seed)
         self._version = self.config.weight_version
         self._updates_applied = 0
+        self._counters = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0}
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._updates: collections.deque[_WeightUpdate] = collections.deque()
@@ -142,8 +143,14 @@ class Engine:
         return self._version
 
     def stats(self) -> dict[str, int]:
+        """Queue sizes and lifetime counters (prefills, decode steps, generated tokens)."""
         with self._cond:
-            return {"running": len(self._running), "waiting": len(self._waiting), "max_batch_size": self.config.max_batch_size}
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "max_batch_size": self.config.max_batch_size,
+                **self._counters,
+            }
 
     def submit(self, request: GenerationRequest) -> Future[Completion]:
         """Queue ``request``; the future resolves to its :class:`Completion`.
@@ -308,17 +315,20 @@ class Engine:
         self._store.ensure_capacity(len(sequence.prompt))
         ids = torch.tensor([sequence.prompt], device=self.device)
         logits = self._forward(ids, StepCache(self._store, prefill_row=row, query_len=len(sequence.prompt)))
+        self._counters["prefills"] += 1
         self._advance([sequence], logits)
 
     def _decode_step(self) -> None:
         self._store.ensure_capacity(max(self._store.lengths) + 1)
         ids = torch.tensor([[s.tokens[-1]] for s in self._running], device=self.device)
         logits = self._forward(ids, StepCache(self._store, prefill_row=None, query_len=1))
+        self._counters["decode_steps"] += 1
         self._advance(list(self._running), logits)
 
     def _advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample the next token of each sequence (rows of ``logits``); retire finished ones."""
         tokens, logprobs = sample(logits, [s.params for s in sequences], [s.rng.random() for s in sequences])
+        self._counters["generated_tokens"] += len(tokens)
         finished = []
         for sequence, token, logprob in zip(sequences, tokens, logprobs):
             sequence.tokens.append(token)
