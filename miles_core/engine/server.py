@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from starlette.routing import Route
 from miles_core.engine import protocol
 from miles_core.engine.base import InvalidRequestError
 from miles_core.engine.engine import Engine
+from miles_core.errors import ConfigError
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -100,9 +102,10 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
 class EmbeddedServer:
     """The embedded engine behind uvicorn; an :class:`~miles_core.engine.base.EngineServer`.
 
-    ``start()`` serves from a background thread (tests, ``miles train``); ``serve_forever()``
-    serves from the calling thread until SIGINT/SIGTERM (``miles engine serve``). ``port=0``
-    picks a free port; :attr:`base_url` tells which.
+    The listening socket is bound at construction (``port=0`` picks a free port), so
+    :attr:`base_url` is known before serving. ``start()`` serves from a background thread (tests,
+    ``miles train``); ``serve_forever()`` serves from the calling thread until SIGINT/SIGTERM
+    (``miles engine serve``).
     """
 
     def __init__(
@@ -117,28 +120,31 @@ class EmbeddedServer:
         import uvicorn
 
         self.engine = engine
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._socket = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            engine.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
+        bound_host, bound_port = self._socket.getsockname()[:2]
+        self.base_url = f"http://[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"http://{bound_host}:{bound_port}"
         config = uvicorn.Config(
-            create_app(engine, default_max_tokens=default_max_tokens), host=host, port=port, log_level=log_level, lifespan="off"
+            create_app(engine, default_max_tokens=default_max_tokens), log_level=log_level, lifespan="off"
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
-    @property
-    def base_url(self) -> str:
-        if not self._server.started:
-            raise RuntimeError("the server has not started")
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
-
     def start(self, timeout: float = 30.0) -> EmbeddedServer:
-        self._thread = threading.Thread(target=self._server.run, name="miles-engine-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="miles-engine-http", daemon=True
+        )
         self._thread.start()
         self.wait_until_healthy(timeout)
         return self
 
     def serve_forever(self) -> None:
         try:
-            self._server.run()
+            self._server.run(sockets=[self._socket])
         finally:
             self.engine.close()
 
@@ -146,7 +152,7 @@ class EmbeddedServer:
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if self._thread is not None and not self._thread.is_alive():
-                raise RuntimeError("the engine HTTP server exited while starting (is the port in use?)")
+                raise RuntimeError("the engine HTTP server exited while starting")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine HTTP server did not start within {timeout:.0f}s")
             time.sleep(0.01)
@@ -158,6 +164,7 @@ class EmbeddedServer:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join()
+        self._socket.close()
         self.engine.close()
 
     def __enter__(self) -> EmbeddedServer:
@@ -178,7 +185,6 @@ def launch_embedded(
 ) -> EmbeddedServer:
     """Build an engine from a model directory or a preset and serve it from a background thread."""
     from miles_core.engine.engine import EngineConfig
-    from miles_core.errors import ConfigError
 
     if (model_path is None) == (preset is None):
         raise ConfigError("give exactly one of model_path or preset")
