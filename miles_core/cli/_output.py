@@ -19,7 +19,14 @@ def console():
     return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
 
 
-STATUS_STYLE = {"ok": "green", "broken": "red", "blocked": "yellow", "fail": "red", "skip": "yellow", "info": "cyan"}
+STATUS_STYLE = {
+    "ok": "green",
+    "broken": "red",
+    "blocked": "yellow",
+    "fail": "red",
+    "skip": "yellow",
+    "info": "cyan",
+}
 
 
 def styled(status: str) -> str:

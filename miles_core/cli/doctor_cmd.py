@@ -34,7 +34,9 @@ def doctor(as_json: bool) -> None:
             for key, value in r.data.items():
                 if key != "traceback":
                     out.print(f"           [dim]{key}: {value}[/]")
-        verdict = "[green]all required checks passed[/]" if report.ok else "[red]some required checks failed[/]"
+        verdict = (
+            "[green]all required checks passed[/]" if report.ok else "[red]some required checks failed[/]"
+        )
         out.print(f"\n{verdict} ({report.seconds:.1f} s); fingerprint {report.fingerprint['digest'][:16]}")
     if not report.ok:
         sys.exit(1)
