@@ -159,3 +159,28 @@ def test_negative_control_a_cache_that_drops_the_recurrent_state_is_caught(tiny_
         completion = broken.generate([request])[0]
     reference = teacher_forced(request.input_ids, completion.token_ids, request.sampling)
     assert max(abs(a - b) for a, b in zip(reference, completion.logprobs)) > 1e-4
+
+
+def test_a_dense_attention_model_works_too(tmp_path, monkeypatch) -> None:
+    """Not only Qwen3.5: a plain attention-only decoder (Qwen3) through the same slot cache."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from miles_core.assets.tiny_tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    requests = [GenerationRequest(p, SamplingParams(max_tokens=16, seed=i, ignore_eos=True)) for i, p in enumerate(_prompts(4, seed=7))]
+    with Engine.from_pretrained(tmp_path, EngineConfig(max_batch_size=4)) as dense:
+        completions = dense.generate(requests)
+    for request, completion in zip(requests, completions):
+        ids = torch.tensor([[*request.input_ids, *completion.token_ids]])
+        with torch.no_grad():
+            logprobs = reference(ids).logits[0, len(request.input_ids) - 1 : -1].log_softmax(-1)
+        expected = logprobs.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+        assert (expected - torch.tensor(completion.logprobs)).abs().max() <= 1e-5
