@@ -260,7 +260,11 @@ class Engine:
                         self._apply_update(self._updates.popleft())
                         continue
                     admitted = []
-                    while not self._updates and self._waiting and len(self._running) + len(admitted) < self.config.max_batch_size:
+                    while (
+                        not (self._updates or self._closed)
+                        and self._waiting
+                        and len(self._running) + len(admitted) < self.config.max_batch_size
+                    ):
                         sequence = self._waiting.popleft()
                         if sequence.future.set_running_or_notify_cancel():
                             sequence.weight_version = self._version

@@ -184,3 +184,17 @@ def test_a_dense_attention_model_works_too(tmp_path, monkeypatch) -> None:
             logprobs = reference(ids).logits[0, len(request.input_ids) - 1 : -1].log_softmax(-1)
         expected = logprobs.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
         assert (expected - torch.tensor(completion.logprobs)).abs().max() <= 1e-5
+
+
+def test_close_finishes_running_sequences_and_fails_waiting_ones(tiny_dir) -> None:
+    one_slot = Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=1))
+    running = one_slot.submit(GenerationRequest([1, 2, 3], SamplingParams(max_tokens=400, seed=0, ignore_eos=True)))
+    while one_slot.stats()["running"] == 0:
+        threading.Event().wait(0.001)
+    waiting = one_slot.submit(GenerationRequest([4, 5], SamplingParams(max_tokens=5, seed=0)))
+    one_slot.close()
+    assert running.result().completion_tokens == 400
+    with pytest.raises(RuntimeError, match="closed before this request ran"):
+        waiting.result()
+    with pytest.raises(RuntimeError, match="closed"):
+        one_slot.submit(GenerationRequest([1], SamplingParams()))
