@@ -157,6 +157,41 @@ class Engine:
 
         Raises :class:`InvalidRequestError` (naming the field) before queueing anything.
         """
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[GenerationRequest]) -> list[Future[Completion]]:
+        """Queue ``requests`` together (admitted in the same step when slots allow).
+
+        Every request is validated first: if one is invalid, none is queued.
+        """
+        checked = [self._check(request) for request in requests]
+        futures: list[Future[Completion]] = []
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            for request, (prompt, room) in zip(requests, checked):
+                params = request.sampling
+                future: Future[Completion] = Future()
+                self._waiting.append(
+                    _Sequence(
+                        request_id=request.request_id or uuid.uuid4().hex,
+                        prompt=prompt,
+                        params=params,
+                        seed=params.seed if params.seed is not None else self._seed_source.getrandbits(63),
+                        stopper=StopChecker(params, eos_token_ids=self.eos_token_ids, room=room, decode=self._decode),
+                        future=future,
+                        weight_version=self._version,
+                    )
+                )
+                futures.append(future)
+            self._cond.notify_all()
+        return futures
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        """Generate every request (batched together) and return the completions in order."""
+        return [f.result() for f in self.submit_many(requests)]
+
+    def _check(self, request: GenerationRequest) -> tuple[tuple[int, ...], int]:
         prompt = self.check_prompt(request.input_ids)
         params = request.sampling
         room = self.max_model_len - len(prompt)
@@ -169,28 +204,7 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"token ids {bad} are outside the vocabulary (size {self.vocab_size})")
-        future: Future[Completion] = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-            sequence = _Sequence(
-                request_id=request.request_id or uuid.uuid4().hex,
-                prompt=prompt,
-                params=params,
-                seed=seed,
-                stopper=StopChecker(params, eos_token_ids=self.eos_token_ids, room=room, decode=self._decode),
-                future=future,
-                weight_version=self._version,
-            )
-            self._waiting.append(sequence)
-            self._cond.notify_all()
-        return future
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        """Generate every request (batched together) and return the completions in order."""
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
+        return prompt, room
 
     def check_prompt(self, input_ids: Sequence[int]) -> tuple[int, ...]:
         prompt = tuple(input_ids)
@@ -270,8 +284,8 @@ class Engine:
                             sequence.weight_version = self._version
                             admitted.append(sequence)
                 try:
-                    for sequence in admitted:
-                        self._prefill(sequence)
+                    for group in _same_prompt_groups(admitted):
+                        self._prefill(group)
                     if self._running:
                         self._decode_step()
                 except Exception as exc:  # fail the affected requests loudly, keep serving others
@@ -313,14 +327,19 @@ class Engine:
         cache.commit()
         return out.logits[:, -1]
 
-    def _prefill(self, sequence: _Sequence) -> None:
+    def _prefill(self, group: list[_Sequence]) -> None:
+        """One forward over the group's common prompt; every member gets a copy of the state."""
+        prompt = group[0].prompt
         row = self._store.add_row()
-        self._running.append(sequence)
-        self._store.ensure_capacity(len(sequence.prompt))
-        ids = torch.tensor([sequence.prompt], device=self.device)
-        logits = self._forward(ids, StepCache(self._store, prefill_row=row, query_len=len(sequence.prompt)))
+        self._running.append(group[0])
+        self._store.ensure_capacity(len(prompt))
+        ids = torch.tensor([prompt], device=self.device)
+        logits = self._forward(ids, StepCache(self._store, prefill_row=row, query_len=len(prompt)))
+        for sequence in group[1:]:
+            self._store.copy_row(row, self._store.add_row())
+            self._running.append(sequence)
         self._counters["prefills"] += 1
-        self._advance([sequence], logits)
+        self._advance(group, logits.expand(len(group), -1))
 
     def _decode_step(self) -> None:
         self._store.ensure_capacity(max(self._store.lengths) + 1)
@@ -361,6 +380,14 @@ class Engine:
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+def _same_prompt_groups(sequences: list[_Sequence]) -> list[list[_Sequence]]:
+    """Sequences grouped by identical prompt (GRPO samples a prompt many times), in order."""
+    groups: dict[tuple[int, ...], list[_Sequence]] = {}
+    for sequence in sequences:
+        groups.setdefault(sequence.prompt, []).append(sequence)
+    return list(groups.values())
 
 
 def _forward_parameters(model: Any) -> frozenset[str]:

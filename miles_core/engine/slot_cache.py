@@ -51,18 +51,22 @@ class SlotStore:
         self.lengths.append(0)
         return self.active - 1
 
+    def copy_row(self, source: int, target: int) -> None:
+        """Make ``target`` hold the same sequence state as ``source``."""
+        n = self.lengths[source]
+        for store in (self.keys, self.values):
+            for t in store.values():
+                t[target, :, :n] = t[source, :, :n]
+        for store in (self.conv, self.recurrent):
+            for t in store.values():
+                t[target] = t[source]
+        self.lengths[target] = n
+
     def remove_row(self, row: int) -> None:
         """Drop ``row``; the last row moves into its place (callers mirror the move)."""
         last = self.active - 1
         if row != last:
-            n = self.lengths[last]
-            for store in (self.keys, self.values):
-                for t in store.values():
-                    t[row, :, :n] = t[last, :, :n]
-            for store in (self.conv, self.recurrent):
-                for t in store.values():
-                    t[row] = t[last]
-            self.lengths[row] = n
+            self.copy_row(last, row)
         self.lengths.pop()
 
     def clear(self) -> None:

@@ -198,3 +198,17 @@ def test_close_finishes_running_sequences_and_fails_waiting_ones(tiny_dir) -> No
         waiting.result()
     with pytest.raises(RuntimeError, match="closed"):
         one_slot.submit(GenerationRequest([1], SamplingParams()))
+
+
+def test_identical_prompts_share_one_prefill(engine: Engine, teacher_forced) -> None:
+    """GRPO samples each prompt many times: one prefill, state copied to every sample."""
+    prompt = _prompts(1, seed=11)[0]
+    group = [GenerationRequest(prompt, SamplingParams(max_tokens=12, seed=i, ignore_eos=True)) for i in range(8)]
+    before = engine.stats()["prefills"]
+    together = engine.generate(group)
+    assert engine.stats()["prefills"] == before + 1
+    assert len({c.token_ids for c in together}) > 1  # different seeds, different samples
+    for request, completion in zip(group, together):
+        assert engine.generate([request])[0].token_ids == completion.token_ids
+        reference = teacher_forced(prompt, completion.token_ids, request.sampling)
+        assert max(abs(a - b) for a, b in zip(reference, completion.logprobs)) <= 1e-5
