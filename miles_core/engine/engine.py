@@ -113,6 +113,7 @@ class Engine:
         self._seed_source = random.Random(self.config.seed)
         self._version = self.config.weight_version
         self._updates_applied = 0
+        self._broken_weights: str | None = None  # why generation is refused, after a failed update
         self._counters = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0}
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
@@ -169,6 +170,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
+            if self._broken_weights:
+                raise RuntimeError(self._broken_weights)
             for request, (prompt, room) in zip(requests, checked):
                 params = request.sampling
                 future: Future[Completion] = Future()
@@ -308,9 +311,11 @@ class Engine:
             with torch.no_grad():
                 for target, source in update.pairs:
                     target.copy_(source)
-        except Exception as exc:
+        except Exception as exc:  # validated already, so e.g. out of memory: the weights are now mixed
+            self._broken_weights = f"a weight update failed half-way ({type(exc).__name__}: {exc}); apply a full update"
             update.future.set_exception(exc)
             return
+        self._broken_weights = None
         self._updates_applied += 1
         self._version = update.version if update.version is not None else str(self._updates_applied)
         update.future.set_result(self._version)

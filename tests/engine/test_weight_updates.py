@@ -119,3 +119,23 @@ def test_update_from_disk_equals_update_from_tensors(fresh_engine: Engine, tiny_
     assert from_disk.token_ids == from_tensors.token_ids and from_disk.logprobs == from_tensors.logprobs
     with pytest.raises(InvalidRequestError, match="model_path"):
         fresh_engine.update_weights_from_disk(tmp_path / "missing")
+
+
+def test_an_update_that_fails_half_way_blocks_generation_until_a_full_update(fresh_engine: Engine, monkeypatch) -> None:
+    weights = _perturbed(fresh_engine.model)
+    poisoned = next(iter(weights.values()))
+    real_copy = torch.Tensor.copy_
+
+    def copy_(target, source, *args, **kwargs):
+        if source is poisoned:
+            raise MemoryError("simulated out of memory")
+        return real_copy(target, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with pytest.raises(MemoryError):
+        fresh_engine.update_weights(weights, "half")
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="failed half-way"):
+        fresh_engine.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=2)))
+    assert fresh_engine.update_weights(weights, "whole") == "whole"
+    assert fresh_engine.generate([GenerationRequest(PROMPT, SamplingParams(max_tokens=2))])[0].weight_version == "whole"
