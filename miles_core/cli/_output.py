@@ -30,4 +30,5 @@ STATUS_STYLE = {
 
 
 def styled(status: str) -> str:
-    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"
+    """``status`` in its colour; padding in ``status`` is kept (the style is looked up stripped)."""
+    return f"[{STATUS_STYLE.get(status.strip(), 'white')}]{status}[/]"
