@@ -43,9 +43,10 @@ class StopChecker:
         if self.params.stop:
             text = self.decode(tokens)
             start = max(0, self._scanned - self._longest_stop + 1)
-            for stop in self.params.stop:
-                if stop in text[start:]:
-                    return Stop("stop", stop)
+            found = [(text.find(stop, start), stop) for stop in self.params.stop]
+            found = [(at, stop) for at, stop in found if at >= 0]
+            if found:
+                return Stop("stop", min(found)[1])  # the earliest in the text
             self._scanned = len(text)
         if len(tokens) >= self.limit:
             return Stop("length")
