@@ -114,6 +114,7 @@ class Engine:
         self._version = self.config.weight_version
         self._updates_applied = 0
         self._broken_weights: str | None = None  # why generation is refused, after a failed update
+        self._crashed: str | None = None  # why the loop stopped, if it died
         self._counters = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0}
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
@@ -143,6 +144,13 @@ class Engine:
     def weight_version(self) -> str:
         return self._version
 
+    @property
+    def problem(self) -> str | None:
+        """Why the engine cannot serve right now (``None`` when it can)."""
+        if self._closed:
+            return "the engine is closed"
+        return self._crashed or self._broken_weights
+
     def stats(self) -> dict[str, int]:
         """Queue sizes and lifetime counters (prefills, decode steps, generated tokens)."""
         with self._cond:
@@ -170,8 +178,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            if self._broken_weights:
-                raise RuntimeError(self._broken_weights)
+            if self._broken_weights or self._crashed:
+                raise RuntimeError(self._broken_weights or self._crashed)
             for request, (prompt, room) in zip(requests, checked):
                 params = request.sampling
                 future: Future[Completion] = Future()
@@ -265,6 +273,18 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug in the loop itself: nothing may wait forever on it
+            with self._cond:
+                self._crashed = f"the engine loop crashed: {type(exc).__name__}: {exc}"
+                for sequence in self._running:
+                    if not sequence.future.done():
+                        sequence.future.set_exception(RuntimeError(self._crashed))
+                self._fail_waiting(RuntimeError(self._crashed))
+            raise
+
+    def _serve(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -274,7 +294,8 @@ class Engine:
                         self._fail_waiting(RuntimeError("the engine was closed before this request ran"))
                         return
                     if self._updates and not self._running:
-                        self._apply_update(self._updates.popleft())
+                        self._apply_update(self._updates[0])
+                        self._updates.popleft()  # only now: if applying crashed, the caller is failed
                         continue
                     admitted = []
                     while (

@@ -64,7 +64,11 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         )
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": engine.name, "weight_version": engine.weight_version, **engine.stats()})
+        problem = engine.problem
+        body = {"status": "error" if problem else "ok", "model": engine.name, "weight_version": engine.weight_version, **engine.stats()}
+        if problem:
+            body["error"] = {"type": "engine_unavailable", "message": problem}
+        return JSONResponse(body, status_code=503 if problem else 200)
 
     async def models(request: Request) -> Response:
         card = {"id": engine.name, "object": "model", "created": started, "owned_by": "miles", "max_model_len": engine.max_model_len}

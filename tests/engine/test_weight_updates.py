@@ -137,5 +137,41 @@ def test_an_update_that_fails_half_way_blocks_generation_until_a_full_update(fre
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="failed half-way"):
         fresh_engine.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=2)))
+    assert "failed half-way" in fresh_engine.problem
     assert fresh_engine.update_weights(weights, "whole") == "whole"
     assert fresh_engine.generate([GenerationRequest(PROMPT, SamplingParams(max_tokens=2))])[0].weight_version == "whole"
+    assert fresh_engine.problem is None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises its crash
+def test_a_crashed_loop_fails_waiting_callers_and_reports_itself(tiny_dir, monkeypatch) -> None:
+    crashing = Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=2))
+
+    def bug(update) -> None:
+        raise SystemError("bug")
+
+    monkeypatch.setattr(crashing, "_apply_update", bug)
+    running = crashing.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)))
+    while crashing.stats()["running"] == 0:
+        threading.Event().wait(0.001)
+    errors: list[BaseException] = []
+    updater = threading.Thread(target=lambda: _record(errors, crashing.update_weights, _perturbed(crashing.model)))
+    updater.start()
+    while not crashing._updates:
+        threading.Event().wait(0.001)
+    queued = crashing.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=2)))
+    updater.join(60)
+    assert running.result().completion_tokens == 200  # finished before the update was applied
+    assert [str(e) for e in errors] == ["the engine loop crashed: SystemError: bug"]
+    with pytest.raises(RuntimeError, match="loop crashed"):
+        queued.result(60)
+    assert "loop crashed" in crashing.problem
+    with pytest.raises(RuntimeError, match="loop crashed"):
+        crashing.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=2)))
+
+
+def _record(errors: list[BaseException], call, *args) -> None:
+    try:
+        call(*args)
+    except BaseException as exc:
+        errors.append(exc)
