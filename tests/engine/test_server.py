@@ -156,3 +156,15 @@ def test_tool_calls_are_parsed_out_of_the_text() -> None:
     assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert parse_tool_calls("plain") == ("plain", [])
+
+
+def test_health_is_503_when_the_engine_cannot_serve(tiny_dir) -> None:
+    from starlette.testclient import TestClient
+
+    from miles_core.engine.server import create_app
+
+    closed = Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=1))
+    closed.close()
+    response = TestClient(create_app(closed)).get("/health")
+    assert response.status_code == 503
+    assert response.json()["error"] == {"type": "engine_unavailable", "message": "the engine is closed"}
