@@ -37,10 +37,16 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole suite with every distribution of the repository installed."""
+    """The CPU suites, run through `miles ci run`, with every distribution of the repository installed.
+
+    The committed workflows must match what `miles ci workflows` generates from the suites.
+    Extra arguments are passed to `miles ci run` (e.g. `nox -s tests -- --partition 1/2`).
+    """
     session.install(TORCH)
     session.install(*ALL_LOCAL)
-    session.run("pytest", "tests", *[f"plugins/{p}/tests" for p in PLUGINS], *session.posargs)
+    session.run("miles", "ci", "workflows", "--check")
+    for suite in ("stage-a-cpu", "stage-b-cpu"):
+        session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite, *session.posargs)
 
 
 @nox.session
