@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from miles_core.engine.base import SamplingParams
-from miles_core.engine.engine import Engine, EngineConfig
 from miles_core.engine.presets import preset_dir
 
-torch.set_num_threads(1)
+if TYPE_CHECKING:  # torch and the engine load only in files whose tests use these fixtures
+    from miles_core.engine.base import SamplingParams
+    from miles_core.engine.engine import Engine
 
 
 @pytest.fixture(scope="session")
@@ -23,13 +23,18 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference_model(tiny_dir: Path):
     """An independent fp32 copy of the tiny model for teacher-forced forwards."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
 
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path) -> Iterator[Engine]:
+    from miles_core.engine.engine import Engine, EngineConfig
+
     with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=16)) as e:
         yield e
 
@@ -46,6 +51,8 @@ def teacher_forced_logprobs(model, prompt: Sequence[int], tokens: Sequence[int],
     The filtering (temperature, then top-k by rank, then top-p on the renormalised rest) is
     written out independently of ``miles_core.engine.sampling``.
     """
+    import torch
+
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
