@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from miles_core.errors import ConfigError
@@ -23,6 +24,7 @@ class InvalidRequestError(ConfigError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.reason = message
         super().__init__(f"{field}: {message}")
 
 
@@ -129,6 +131,14 @@ class EngineKind:
         from miles_core.plugins import import_object
 
         return import_object(self.check)()
+
+
+def require_model_dir(path: str | Path) -> Path:
+    """``path`` as a Hugging Face model directory, or a :class:`ConfigError` saying what is missing."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{directory}: not a model directory (config.json is missing)")
+    return directory
 
 
 def _finite(value: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from miles_core.cli._output import emit_json
+from miles_core.engine.base import require_model_dir
 from miles_core.engine.presets import PRESETS
 from miles_core.errors import ConfigError
 
@@ -53,6 +54,8 @@ def serve(
     """
     if (model_path is None) == (preset is None):
         raise ConfigError("give exactly one of --model DIR or --preset NAME")
+    if model_path is not None:
+        require_model_dir(model_path)  # before the heavy imports: bad input fails fast
     from miles_core.engine.engine import Engine, EngineConfig
     from miles_core.engine.presets import preset_dir
     from miles_core.engine.server import EmbeddedServer

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from miles_core.engine.base import InvalidRequestError
+from miles_core.engine.base import InvalidRequestError, require_model_dir
 from miles_core.engine.slot_cache import SUPPORTED_LAYER_TYPES
 from miles_core.errors import ConfigError
 
@@ -64,13 +64,11 @@ def check_supported(config: Any, path: Path) -> None:
 
 def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load model and tokenizer from ``path`` and apply every matching model patch."""
+    path = require_model_dir(path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from miles_core.patches import prepare_model
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path}: not a model directory (config.json is missing)")
     config = AutoConfig.from_pretrained(path)
     check_supported(config, path)
     torch_dtype = resolve_dtype(dtype, config)

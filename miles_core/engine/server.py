@@ -34,7 +34,13 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         generation = protocol.to_generation_request(
             req, engine.tokenizer, default_max_tokens=default_max_tokens, room=engine.max_model_len
         )
-        completion = await asyncio.wrap_future(engine.submit(generation))
+        try:
+            future = engine.submit(generation)
+        except InvalidRequestError as exc:
+            if exc.field == "input_ids" and req.input_ids is None:  # name what the client sent
+                raise InvalidRequestError("messages", f"the rendered prompt is invalid: {exc.reason}") from None
+            raise
+        completion = await asyncio.wrap_future(future)
         body = protocol.chat_response(req, completion, engine.tokenizer, model=engine.name)
         if not req.stream:
             return JSONResponse(body)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from miles_core.ci.register import register_cpu_ci
 from miles_core.cli import cli
 
-register_cpu_ci(est_time=25, suite="stage-a-cpu")
+register_cpu_ci(est_time=47, suite="stage-a-cpu")
 
 HEAVY = ("torch", "transformers", "ray", "megatron", "e2b", "fastapi", "uvicorn", "httpx", "starlette", "pydantic")
 

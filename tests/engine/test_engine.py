@@ -12,7 +12,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
 from miles_core.engine.engine import Engine, EngineConfig
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=40, suite="stage-a-cpu")
 
 SETTINGS = [
     SamplingParams(max_tokens=24, temperature=1.0),
