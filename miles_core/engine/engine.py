@@ -16,6 +16,7 @@ Use it in-process (``Engine.generate``, ``Engine.update_weights``) or over HTTP
 from __future__ import annotations
 
 import collections
+import logging
 import random
 import threading
 import uuid
@@ -38,6 +39,8 @@ from miles_core.engine.sampling import sample
 from miles_core.engine.slot_cache import SlotStore, StepCache
 from miles_core.engine.stopping import StopChecker
 from miles_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -276,13 +279,13 @@ class Engine:
         try:
             self._serve()
         except BaseException as exc:  # a bug in the loop itself: nothing may wait forever on it
+            logger.exception("the engine loop crashed")
             with self._cond:
                 self._crashed = f"the engine loop crashed: {type(exc).__name__}: {exc}"
                 for sequence in self._running:
                     if not sequence.future.done():
                         sequence.future.set_exception(RuntimeError(self._crashed))
                 self._fail_waiting(RuntimeError(self._crashed))
-            raise
 
     def _serve(self) -> None:
         with torch.inference_mode():

@@ -143,7 +143,6 @@ def test_an_update_that_fails_half_way_blocks_generation_until_a_full_update(fre
     assert fresh_engine.problem is None
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises its crash
 def test_a_crashed_loop_fails_waiting_callers_and_reports_itself(tiny_dir, monkeypatch) -> None:
     crashing = Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=2))
 
