@@ -16,6 +16,7 @@ Use it in-process (``Engine.generate``, ``Engine.update_weights``) or over HTTP
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import random
 import threading
@@ -99,6 +100,9 @@ class Engine:
         self.name = name
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        # The loop thread decodes with its own copy: a fast tokenizer used from two threads at
+        # once can fail ("Already borrowed") while the other thread encodes.
+        self._loop_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.eos_token_ids = loaded.eos_token_ids
         self.patch_report = loaded.patch_report
         model_config = self.model.config.get_text_config()
@@ -408,7 +412,7 @@ class Engine:
             )
 
     def _decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return self._loop_tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
 
 def _same_prompt_groups(sequences: list[_Sequence]) -> list[list[_Sequence]]:
