@@ -34,9 +34,9 @@ def _with_seed(params: SamplingParams, seed: int, **changes) -> SamplingParams:
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["t1", "t0.7-k20-p0.9", "t1.3-p0.5", "greedy"])
 def test_logprobs_equal_teacher_forced_forward(engine: Engine, teacher_forced, params: SamplingParams) -> None:
-    requests = [
-        GenerationRequest(p, _with_seed(params, seed=i, ignore_eos=True)) for i, p in enumerate(_prompts(6))
-    ]
+    # 1- and 2-token prompts are shorter than the causal-conv window; 100 tokens span two GDN chunks
+    prompts = [[5], [5, 6], list(range(100)), *_prompts(4)]
+    requests = [GenerationRequest(p, _with_seed(params, seed=i, ignore_eos=True)) for i, p in enumerate(prompts)]
     worst = 0.0
     for request, completion in zip(requests, engine.generate(requests)):
         assert completion.completion_tokens == 24
