@@ -71,3 +71,17 @@ def test_serve_a_preset_end_to_end(tiny_dir) -> None:
         process.terminate()
         # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM
         assert process.wait(30) in (0, -15)
+
+
+def test_engine_kinds_come_from_the_hook_and_launch(miles_pm_factory, tiny_dir) -> None:
+    import httpx
+
+    pm = miles_pm_factory(builtins=True)
+    kinds = {c.name: c for c in pm.active_contributions("engine")}
+    assert {"embedded", "sglang"} <= set(kinds)
+    assert pm.verify(kinds["sglang"], kinds["sglang"].obj.verify)["modes"] in ("attach", "launch, attach")
+    server = kinds["embedded"].obj.launch(model_path=str(tiny_dir), max_batch_size=2)
+    try:
+        assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
+    finally:
+        server.shutdown()
