@@ -88,12 +88,15 @@ def miles_session_versions() -> Sequence[Any]:
 
 @hookspec
 def miles_sandbox_providers() -> Sequence[Any]:
-    """Sandbox providers (:class:`miles_core.sandbox.base.SandboxProviderSpec`).
+    """Sandbox providers (:class:`miles_core.sandbox.spec.SandboxProviderSpec`).
 
     Called: by ``miles plugins list``, ``miles sandbox providers`` and when a sandbox is needed.
 
-    Returns: a list of provider descriptors whose factories do the heavy SDK imports. The
-    descriptor's ``verify()`` checks that the SDK surface the provider calls exists.
+    Returns: a list of provider descriptors. ``create(config)`` imports the SDK and returns a
+    :class:`miles_core.sandbox.base.SandboxProvider`; ``verify()`` checks the provider's effect
+    (the SDK calls it makes exist with the parameters it passes; the local provider's limits and
+    isolation as seen from inside a probe sandbox). Providers are used through the shared
+    lifecycle layer, :mod:`miles_core.sandbox.lifecycle`.
     """
 
 
