@@ -212,3 +212,21 @@ def test_identical_prompts_share_one_prefill(engine: Engine, teacher_forced) -> 
         assert engine.generate([request])[0].token_ids == completion.token_ids
         reference = teacher_forced(prompt, completion.token_ids, request.sampling)
         assert max(abs(a - b) for a, b in zip(reference, completion.logprobs)) <= 1e-5
+
+
+def test_every_served_model_goes_through_prepare_model(tiny_dir, monkeypatch) -> None:
+    import miles_core.patches
+
+    real = miles_core.patches.prepare_model
+    prepared = []
+
+    def recording(model, **kwargs):
+        report = real(model, **kwargs)
+        prepared.append((model, report))
+        return report
+
+    monkeypatch.setattr(miles_core.patches, "prepare_model", recording)
+    with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=1)) as served:
+        assert [m for m, _ in prepared] == [served.model]
+        assert served.patch_report is prepared[0][1]
+        assert served.patch_report.model.endswith("Qwen3_5ForCausalLM")
