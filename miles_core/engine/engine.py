@@ -44,6 +44,10 @@ from miles_core.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
+class RequestAborted(RuntimeError):
+    """The request was aborted (:meth:`Engine.abort`) before it finished."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings (all validated at construction)."""
@@ -126,6 +130,7 @@ class Engine:
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._updates: collections.deque[_WeightUpdate] = collections.deque()
+        self._aborted: set[Future] = set()
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"miles-engine-{name}", daemon=True)
@@ -204,6 +209,13 @@ class Engine:
                 futures.append(future)
             self._cond.notify_all()
         return futures
+
+    def abort(self, future: Future[Completion]) -> None:
+        """Stop generating for ``future`` (its caller went away): it fails with :class:`RequestAborted`
+        before the next decode step, freeing its slot. A finished request is left as it is."""
+        with self._cond:
+            self._aborted.add(future)
+            self._cond.notify_all()
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         """Generate every request (batched together) and return the completions in order."""
@@ -304,6 +316,8 @@ class Engine:
                         self._apply_update(self._updates[0])
                         self._updates.popleft()  # only now: if applying crashed, the caller is failed
                         continue
+                    if self._aborted:
+                        self._drop_aborted()
                     admitted = []
                     while (
                         not (self._updates or self._closed)
@@ -393,11 +407,7 @@ class Engine:
             if stop is not None:
                 finished.append((sequence, stop))
         for sequence, stop in finished:
-            row = self._running.index(sequence)
-            self._store.remove_row(row)
-            last = self._running.pop()
-            if last is not sequence:
-                self._running[row] = last
+            self._retire(sequence)
             sequence.future.set_result(
                 Completion(
                     request_id=sequence.request_id,
@@ -410,6 +420,24 @@ class Engine:
                     seed=sequence.seed,
                 )
             )
+
+    def _retire(self, sequence: _Sequence) -> None:
+        """Free the sequence's row (the last row moves into it, mirrored in ``_running``)."""
+        row = self._running.index(sequence)
+        self._store.remove_row(row)
+        last = self._running.pop()
+        if last is not sequence:
+            self._running[row] = last
+
+    def _drop_aborted(self) -> None:
+        for sequence in [s for s in self._running if s.future in self._aborted]:
+            self._retire(sequence)
+            sequence.future.set_exception(RequestAborted(f"request {sequence.request_id} was aborted"))
+        for sequence in [s for s in self._waiting if s.future in self._aborted]:
+            self._waiting.remove(sequence)
+            if sequence.future.set_running_or_notify_cancel():
+                sequence.future.set_exception(RequestAborted(f"request {sequence.request_id} was aborted"))
+        self._aborted.clear()
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._loop_tokenizer.decode(list(token_ids), skip_special_tokens=False)

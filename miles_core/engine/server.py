@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,11 +22,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from miles_core.engine import protocol
-from miles_core.engine.base import InvalidRequestError
+from miles_core.engine.base import Completion, InvalidRequestError
 from miles_core.engine.engine import Engine
 from miles_core.errors import ConfigError
 
 DEFAULT_MAX_TOKENS = 256
+#: how often a waiting chat request checks whether its client went away
+DISCONNECT_POLL_S = 0.25
 
 
 def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
@@ -40,7 +43,9 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
             if exc.field == "input_ids" and req.input_ids is None:  # name what the client sent
                 raise InvalidRequestError("messages", f"the rendered prompt is invalid: {exc.reason}") from None
             raise
-        completion = await asyncio.wrap_future(future)
+        completion = await _result_unless_disconnected(request, engine, future)
+        if completion is None:
+            return Response(status_code=499)  # nobody reads it: the client went away
         body = protocol.chat_response(req, completion, engine.tokenizer, model=engine.name)
         if not req.stream:
             return JSONResponse(body)
@@ -107,6 +112,22 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         ],
         exception_handlers={InvalidRequestError: bad_request, Exception: server_error},
     )
+
+
+async def _result_unless_disconnected(request: Request, engine: Engine, future: Future[Completion]) -> Completion | None:
+    """The completion, or ``None`` after aborting it because the client disconnected."""
+    waiter = asyncio.wrap_future(future)
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiter.result()
+            if await request.is_disconnected():
+                engine.abort(future)
+                return None
+    except asyncio.CancelledError:  # the server is shutting down
+        engine.abort(future)
+        raise
 
 
 class EmbeddedServer:

@@ -230,3 +230,23 @@ def test_every_served_model_goes_through_prepare_model(tiny_dir, monkeypatch) ->
         assert [m for m, _ in prepared] == [served.model]
         assert served.patch_report is prepared[0][1]
         assert served.patch_report.model.endswith("Qwen3_5ForCausalLM")
+
+
+def test_abort_frees_the_slot_of_a_running_request(engine: Engine) -> None:
+    from miles_core.engine.engine import RequestAborted
+
+    request = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=1500, ignore_eos=True))
+    first, second = engine.submit_many([request, request])
+    while engine.stats()["running"] < 2:
+        threading.Event().wait(0.001)
+    engine.abort(first)
+    with pytest.raises(RequestAborted):
+        first.result(30)
+    assert engine.stats()["running"] == 1
+    engine.abort(second)
+    with pytest.raises(RequestAborted):
+        second.result(30)
+    assert engine.stats()["running"] == 0
+    done = engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_tokens=2))])[0]
+    engine.abort(engine.submit(GenerationRequest([4], SamplingParams(max_tokens=1))))  # harmless either way
+    assert done.completion_tokens == 2

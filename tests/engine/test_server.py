@@ -169,3 +169,15 @@ def test_health_is_503_when_the_engine_cannot_serve(tiny_dir) -> None:
     response = TestClient(create_app(closed)).get("/health")
     assert response.status_code == 503
     assert response.json()["error"] == {"type": "engine_unavailable", "message": "the engine is closed"}
+
+
+def test_a_client_that_disconnects_stops_its_generation(client, server) -> None:
+    long = {"input_ids": PROMPT, "max_tokens": 1900, "ignore_eos": True, "seed": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/chat/completions", json=long, timeout=1.0)
+    pause = threading.Event()
+    for _ in range(40):  # noticed within a poll interval or two; the generation itself needs > 5 s
+        if server.engine.stats()["running"] == 0:
+            break
+        pause.wait(0.05)
+    assert server.engine.stats()["running"] == 0
