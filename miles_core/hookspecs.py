@@ -57,7 +57,8 @@ def miles_hardware_backends() -> Sequence[Any]:
     Returns: a list of backend objects. Exactly one backend is active per process: among those
     whose ``detect()`` claims the machine, a plugin's backend beats a built-in one; two plugins
     claiming the machine is an error naming both; ``MILES_HARDWARE=<name>`` overrides detection.
-    The selected backend's ``verify()`` must pass before any work starts.
+    :func:`miles_core.hardware.activate` then calls the selected backend's ``apply()`` and
+    ``verify()``, which must pass before any work starts.
     """
 
 
