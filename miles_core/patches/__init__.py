@@ -16,9 +16,9 @@ from miles_core.patches.base import (
     PatchVerificationError,
     ProbeResult,
 )
-from miles_core.patches.report import PatchReport, PrepareReport
 
 if TYPE_CHECKING:
+    from miles_core.patches.report import PatchReport, PrepareReport
     from miles_core.plugins import MilesPluginManager
 
 __all__ = [
@@ -39,3 +39,12 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
     from miles_core.patches.prepare import prepare_model as _prepare_model
 
     return _prepare_model(model, pm=pm, probe=probe)
+
+
+def __getattr__(name: str) -> Any:
+    # the report types are only needed once a model is prepared; keep plugin discovery light
+    if name in ("PatchReport", "PrepareReport"):
+        from miles_core.patches import report
+
+        return getattr(report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
