@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from miles_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 FinishReason = Literal["stop", "length"]
 
@@ -135,6 +137,8 @@ class EngineKind:
 
 def require_model_dir(path: str | Path) -> Path:
     """``path`` as a Hugging Face model directory, or a :class:`ConfigError` saying what is missing."""
+    from pathlib import Path  # not at module level: plugin discovery imports this module
+
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{directory}: not a model directory (config.json is missing)")
