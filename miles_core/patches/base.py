@@ -15,6 +15,9 @@ it hopes to meet:
 * ``requires`` -- the kernels the patch uses, checked loudly before ``apply``.
 * ``check_environment()`` -- registration-level problems in the installed libraries (an
   architecture the patch should cover but cannot); any problem makes the plugin broken.
+* ``uses_packing_context`` -- whether the patched layers read the per-forward packing context;
+  ``prepare_model`` installs the model-level packing scope only when an applied patch does (a
+  model whose forward takes no ``**kwargs``, such as megatron's ``GPTModel``, could not carry it).
 
 Importing this module must stay cheap: no torch, no transformers.
 """
@@ -99,6 +102,7 @@ class ModelPatch(Protocol):
 
     name: str
     requires: Sequence[KernelRequirement]
+    uses_packing_context: bool
 
     def matches(self, config: Any) -> bool: ...
 

@@ -69,7 +69,9 @@ class PackedSequences:
         return torch.diff(self.cu_seqlens_cpu).tolist()
 
     @classmethod
-    def from_lengths(cls, lengths: Sequence[int], device: torch.device | str | None = None) -> PackedSequences:
+    def from_lengths(
+        cls, lengths: Sequence[int], device: torch.device | str | None = None
+    ) -> PackedSequences:
         """The context of one row holding documents of ``lengths`` back to back."""
         if not lengths or any(int(n) <= 0 for n in lengths):
             raise ValueError(f"lengths must be positive, got {list(lengths)}")

@@ -30,8 +30,9 @@ _environment_ok: weakref.WeakKeyDictionary[MilesPluginManager, set[str]] = weakr
 def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bool = True) -> PrepareReport:
     """Apply every patch whose ``matches(model.config)`` holds, verify it on ``model`` and probe it.
 
-    Also installs the model-level packing scope (:mod:`miles_core.patches.scope`) so packed rows
-    reach every patched layer. Idempotent: preparing a model twice re-verifies it. Records each
+    When an applied patch reads the packing context (``uses_packing_context``), also installs the
+    model-level packing scope (:mod:`miles_core.patches.scope`) so packed rows reach every patched
+    layer. Idempotent: preparing a model twice re-verifies it. Records each
     applied patch in the plugin fingerprint. ``probe=False`` skips the numeric probes (for models
     whose modules cannot run on their own, e.g. already sharded).
     """
@@ -42,6 +43,7 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
     device_types = sorted({p.device.type for p in model.parameters()}) or ["cpu"]
     reports: list[PatchReport] = []
     not_matched: list[str] = []
+    needs_scope = False
     for contribution in pm.active_contributions("patches"):
         patch: ModelPatch = contribution.obj
         _check_environment(pm, contribution)
@@ -57,6 +59,7 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
             continue
         kernels, kernel_warnings = _check_kernels(contribution, device_types)
         applied = _attributed(contribution, patch.apply, model)
+        needs_scope = needs_scope or bool(getattr(patch, "uses_packing_context", False))
         _attributed(contribution, patch.verify, model)
         result = _attributed(contribution, _run_probe, patch, model) if probe else None
         pm.record_applied_patch(contribution.name, applied.classes)
@@ -74,8 +77,11 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
                 warnings=tuple(kernel_warnings),
             )
         )
-        log.info("patch %s applied to %s: %s", contribution.name, qualname(type(model)), ", ".join(applied.classes))
-    install_packing_scope(model)
+        log.info(
+            "patch %s applied to %s: %s", contribution.name, qualname(type(model)), ", ".join(applied.classes)
+        )
+    if needs_scope:
+        install_packing_scope(model)
     return PrepareReport(
         model=qualname(type(model)),
         patches=tuple(reports),

@@ -78,7 +78,9 @@ def _enter(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
                 "use_cache=False (a cache drops the packed attention mask and wastes memory in training)"
             )
         if ctx is not None and any(given.get(name) is not None for name in _CACHE_NAMES):
-            raise PackingError(f"{kind} of {type(module).__name__} was given a cache; packed rows cannot use one")
+            raise PackingError(
+                f"{kind} of {type(module).__name__} was given a cache; packed rows cannot use one"
+            )
         if "use_cache" not in given and ("use_cache" in signature.parameters or var_kw is not None):
             kwargs = {**kwargs, "use_cache": False}
     if ctx is not None:

@@ -52,7 +52,9 @@ class ToyModel(torch.nn.Module):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        self.calls.append({"use_cache": use_cache, "kwargs": dict(kwargs), "current": current_packed_sequences()})
+        self.calls.append(
+            {"use_cache": use_cache, "kwargs": dict(kwargs), "current": current_packed_sequences()}
+        )
         if kwargs.get("explode"):
             raise RuntimeError("forward exploded")
         hidden = torch.nn.functional.one_hot(input_ids % 4, 4).float()
@@ -61,6 +63,8 @@ class ToyModel(torch.nn.Module):
 
 class ToyPatch:
     """Marks the toy layer class; every behaviour a test needs to flip is a constructor argument."""
+
+    uses_packing_context = True
 
     def __init__(
         self,
@@ -108,5 +112,9 @@ def toy() -> SimpleNamespace:
     """``toy.Model``, ``toy.Patch``, ``toy.Config``, a fresh layer class ``toy.layer`` and
     ``toy.make_layer(name)`` for more."""
     return SimpleNamespace(
-        Model=ToyModel, Patch=ToyPatch, Config=ToyConfig, layer=make_layer_class(), make_layer=make_layer_class
+        Model=ToyModel,
+        Patch=ToyPatch,
+        Config=ToyConfig,
+        layer=make_layer_class(),
+        make_layer=make_layer_class,
     )

@@ -17,6 +17,7 @@ from miles_core.patches.packing import (
     packed_position_ids,
 )
 from miles_core.plugins import MilesPluginManager
+from miles_core.testing import plugin_module
 
 register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
@@ -26,6 +27,10 @@ PACKED = packed_position_ids([4, 2])
 
 @pytest.fixture
 def model(miles_pm: MilesPluginManager, toy: SimpleNamespace) -> torch.nn.Module:
+    # the scope comes with a patch that reads the packing context (the toy patch does)
+    miles_pm.register(
+        plugin_module("toy", miles_model_patches=lambda: [toy.Patch(toy.layer)]), name="toy-plugin"
+    )
     model = toy.Model(toy.layer)
     prepare_model(model)
     return model
@@ -101,6 +106,9 @@ def test_the_scope_closes_when_the_forward_raises(model) -> None:
 
 
 def test_nested_models_each_see_their_own_context(miles_pm, toy) -> None:
+    miles_pm.register(
+        plugin_module("toy", miles_model_patches=lambda: [toy.Patch(toy.layer)]), name="toy-plugin"
+    )
     inner = toy.Model(toy.layer)
     prepare_model(inner)
 

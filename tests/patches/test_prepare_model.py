@@ -27,7 +27,9 @@ def register(pm: MilesPluginManager, *patches: object) -> None:
 
 
 def test_report_names_each_patch_and_its_classes(miles_pm: MilesPluginManager, toy: SimpleNamespace) -> None:
-    register(miles_pm, toy.Patch(toy.layer), toy.Patch(toy.make_layer("Absent"), name="declines", match=False))
+    register(
+        miles_pm, toy.Patch(toy.layer), toy.Patch(toy.make_layer("Absent"), name="declines", match=False)
+    )
     report = prepare_model(toy.Model(toy.layer))
     entry = report["toy-patch"]
     assert entry.classes == (f"{toy.layer.__module__}.ToyMixer",)
@@ -120,7 +122,9 @@ def test_a_missing_optional_kernel_warns_loudly(miles_pm, toy: SimpleNamespace) 
 
 def test_a_kernel_for_another_device_is_not_checked(miles_pm, toy: SimpleNamespace) -> None:
     register(miles_pm, toy.Patch(toy.layer, requires=[missing_kernel(required=True, devices=("cuda",))]))
-    assert prepare_model(toy.Model(toy.layer))["toy-patch"].kernels == {"miles_no_such_kernel": "not used on cpu"}
+    assert prepare_model(toy.Model(toy.layer))["toy-patch"].kernels == {
+        "miles_no_such_kernel": "not used on cpu"
+    }
 
 
 def test_kernel_states(tmp_path, monkeypatch) -> None:
@@ -133,11 +137,29 @@ def test_kernel_states(tmp_path, monkeypatch) -> None:
     assert (state, detail) == ("broken", "ModuleNotFoundError: No module named 'miles_absent_dependency'")
 
 
-def test_no_patches_still_installs_the_packing_scope(miles_pm, toy: SimpleNamespace) -> None:
+def test_the_packing_scope_comes_only_with_a_patch_that_reads_it(miles_pm, toy: SimpleNamespace) -> None:
+    model = toy.Model(toy.layer)
+    report = prepare_model(model)  # no patch: the model's forward is left exactly as it was
+    assert report.patches == () and not report.packing_scope
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+    class ContextFree(toy.Patch):
+        uses_packing_context = False
+
+    register(miles_pm, ContextFree(toy.layer))
     model = toy.Model(toy.layer)
     report = prepare_model(model)
-    assert report.patches == () and report.packing_scope
-    model.eval()
+    assert report.applied and not report.packing_scope
+
+    scoped = toy.Model(toy.layer)
+    assert prepare_model(scoped, pm=_with_patch(toy)).packing_scope
+    scoped.eval()
     with torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
-    assert model.calls[-1]["use_cache"] is False  # a packed forward never uses the cache
+        scoped(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
+    assert scoped.calls[-1]["use_cache"] is False  # a packed forward never uses the cache
+
+
+def _with_patch(toy: SimpleNamespace) -> MilesPluginManager:
+    pm = MilesPluginManager()
+    register(pm, toy.Patch(toy.layer))
+    return pm

@@ -32,6 +32,7 @@ class GatedDeltaNetPackingPatch:
     """Makes packed forwards of Gated DeltaNet models equal to per-document forwards."""
 
     name = "gdn-packing"
+    uses_packing_context = True
     requires = (
         KernelRequirement(
             module="fla.ops.gated_delta_rule",
