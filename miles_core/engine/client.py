@@ -1,0 +1,170 @@
+"""Async HTTP client of an SGLang-compatible inference engine.
+
+One client serves the session server (its upstream) and the RL loop. It retries only failures
+that prove the request never reached the engine (the TCP connection could not be established);
+anything after that -- a read timeout, a reset, a malformed reply -- is raised at once as a typed
+:class:`EngineError`, because the engine may already have generated (and a retry would sample
+again).
+
+    async with EngineClient("http://127.0.0.1:30000", timeout=600) as engine:
+        reply = await engine.chat_completions({"messages": [...], "input_ids": [...]},
+                                              routing_key=session_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from miles_core.errors import MilesError
+
+#: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+#: how much of an error reply body an exception carries
+SNIPPET_CHARS = 512
+
+
+class EngineError(MilesError):
+    """Base class: the engine could not be reached or did not answer as the contract says."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(f"{message} ({url})")
+        self.detail = message
+        self.url = url
+
+
+class EngineConnectionError(EngineError):
+    """No connection could be made, or the connection broke before a complete reply."""
+
+
+class EngineTimeoutError(EngineError):
+    """The engine did not answer within the configured timeout."""
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with a non-2xx status; ``body_snippet`` is the start of its body."""
+
+    def __init__(self, status_code: int, body_snippet: str, *, url: str) -> None:
+        super().__init__(f"engine answered HTTP {status_code}: {body_snippet}", url=url)
+        self.status_code = status_code
+        self.body_snippet = body_snippet
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered 2xx with a body that is not the JSON object the contract promises."""
+
+
+def snippet(data: bytes | str, limit: int = SNIPPET_CHARS) -> str:
+    """The first ``limit`` characters of ``data`` (decoded leniently), marked when cut."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more chars)"
+
+
+class EngineClient:
+    """Async client of one engine base URL (``http://host:port``, without ``/v1``).
+
+    ``timeout`` bounds each read, write and wait for a pooled connection; ``connect_timeout``
+    bounds establishing a connection, which is retried ``connect_retries`` times with exponential
+    backoff starting at ``retry_backoff`` seconds. ``headers`` are sent with every request.
+    ``transport`` replaces the network transport (tests).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        connect_retries: int = 2,
+        retry_backoff: float = 0.05,
+        headers: Mapping[str, str] | None = None,
+        max_connections: int = 1024,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if connect_retries < 0:
+            raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.connect_retries = connect_retries
+        self.retry_backoff = retry_backoff
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=dict(headers or {}),
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=transport,
+        )
+
+    async def chat_completions(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> dict[str, Any]:
+        """``POST /v1/chat/completions``; the reply as a JSON object (not validated further)."""
+        headers = {"content-type": "application/json"}
+        if routing_key is not None:
+            headers[ROUTING_KEY_HEADER] = routing_key
+        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        response = await self._send("POST", "/v1/chat/completions", content=content, headers=headers)
+        return _json_object(response)
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""
+        response = await self._send("GET", "/health")
+        return _json_object(response) if response.content.strip() else {}
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _send(
+        self, method: str, path: str, *, content: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> httpx.Response:
+        url = f"{self.base_url}{path}"
+        attempt = 0
+        while True:
+            try:
+                response = await self._client.request(method, path, content=content, headers=headers)
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the engine: the only failure that is safe to retry.
+                if attempt >= self.connect_retries:
+                    kind = EngineTimeoutError if isinstance(exc, httpx.ConnectTimeout) else EngineConnectionError
+                    raise kind(
+                        f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=url
+                    ) from exc
+                await asyncio.sleep(self.retry_backoff * 2**attempt)
+                attempt += 1
+            except httpx.TimeoutException as exc:
+                raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=url) from exc
+            except httpx.TransportError as exc:
+                raise EngineConnectionError(f"connection to the engine failed: {_describe(exc)}", url=url) from exc
+        if not 200 <= response.status_code < 300:
+            raise EngineHTTPError(response.status_code, snippet(response.content), url=url)
+        return response
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    url = str(response.request.url)
+    try:
+        data = json.loads(response.content, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise EngineProtocolError(
+            f"engine reply is not valid JSON ({_describe(exc)}): {snippet(response.content, 128)}", url=url
+        ) from exc
+    if not isinstance(data, dict):
+        raise EngineProtocolError(f"engine reply is JSON {type(data).__name__}, expected an object", url=url)
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON value")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {snippet(text, 200)}" if text else type(exc).__name__

@@ -1,0 +1,15 @@
+"""Session server: token-in-token-out recording of multi-turn chats for RL training.
+
+Layers, each in its own module:
+
+* transport -- :mod:`.server` (Starlette routes, SSE, JSON errors) and :mod:`.embed` (in-thread)
+* :mod:`.normalize` -- pure request normalizer (client body -> :class:`~.normalize.ChatRequest`)
+* :mod:`.completion` -- typed completion extractor (upstream reply -> :class:`~.completion.Completion`)
+* :mod:`.tokens` -- the token invariants every version relies on (neutral, shared)
+* :mod:`.tokenizer` + :mod:`.families` -- prompt ids from a chat template, boundary rules as data
+* :mod:`.trajectory` -- the turn model, attach-point search and sample assembly both versions share
+* :mod:`.linear` (v1) and :mod:`.tree` (v2) -- trajectory stores with a pure ``plan`` and a ``commit``
+* :mod:`.service` -- the chat pipeline and the session registry, transport-agnostic
+
+Versions are contributed through the ``miles_session_versions`` hook (protocol in :mod:`.base`).
+"""
