@@ -110,7 +110,7 @@ class ScriptedChat:
         if limit is not None and len(ids) > limit:
             ids, finish = ids[:limit], "length"
             message = {"role": "assistant", "content": self.codec.decode(ids)}
-        return chat_reply(f"stub-{key[:8]}-{n}", message, ids, finish, prompt_tokens=len(input_ids))
+        return chat_reply(f"stub-{n}", message, ids, finish, prompt_tokens=len(input_ids))
 
 
 class FixedReply:
@@ -179,6 +179,14 @@ class StubEngine:
         """The next ``len(faults)`` chat requests fail in these ways, in order."""
         with self._lock:
             self._faults.extend(faults)
+
+    def pending_faults(self) -> list[Fault]:
+        with self._lock:
+            return list(self._faults)
+
+    def clear_faults(self) -> None:
+        with self._lock:
+            self._faults.clear()
 
     def chat_requests(self, routing_key: str | None = None) -> list[StubRequest]:
         with self._lock:
