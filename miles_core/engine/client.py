@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from miles_core import strict_json
 from miles_core.errors import MilesError
 
 #: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
@@ -151,18 +152,14 @@ class EngineClient:
 def _json_object(response: httpx.Response) -> dict[str, Any]:
     url = str(response.request.url)
     try:
-        data = json.loads(response.content, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
+        data = strict_json.loads(response.content)
+    except ValueError as exc:
         raise EngineProtocolError(
             f"engine reply is not valid JSON ({_describe(exc)}): {snippet(response.content, 128)}", url=url
         ) from exc
     if not isinstance(data, dict):
         raise EngineProtocolError(f"engine reply is JSON {type(data).__name__}, expected an object", url=url)
     return data
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a valid JSON value")
 
 
 def _describe(exc: BaseException) -> str:

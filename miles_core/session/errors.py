@@ -36,6 +36,11 @@ class InvalidRequest(SessionError):
     type = "invalid_request_error"
 
 
+class PayloadTooLarge(SessionError):
+    status = 413
+    type = "request_too_large_error"
+
+
 class SessionNotFound(SessionError):
     status = 404
     type = "not_found_error"

@@ -9,13 +9,13 @@ the flags the recording depends on, which a client cannot override.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles_core import strict_json
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.messages import Message, MessageKey, canonical_message, message_key
 from miles_core.session.trajectory import SERVER_METADATA_KEYS, SampleOptions
@@ -89,13 +89,11 @@ class ChatRequest:
 
 
 def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, Any]:
-    """Parse ``body`` as a JSON object; empty means ``{}``. NaN/Infinity are not JSON."""
+    """Parse ``body`` as a JSON object (strictly: :mod:`miles_core.strict_json`); empty is ``{}``."""
     if not body.strip():
         return {}
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except RecursionError:
-        raise InvalidRequest(f"{what} is nested too deeply") from None
+        data = strict_json.loads(body)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -158,10 +156,6 @@ def describe_validation_error(exc: ValidationError) -> str:
         message = "is set by the session server and must not be sent"
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return f"{where or 'body'}: {message}{more}"
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a valid JSON value")
 
 
 def _json_type(value: Any) -> str:

@@ -32,10 +32,10 @@ from miles_core.engine.client import EngineClient
 from miles_core.plugins import MilesPluginManager, get_plugin_manager
 from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
-from miles_core.session.errors import SessionError, bounded
+from miles_core.session.errors import PayloadTooLarge, SessionError, bounded
 from miles_core.session.service import SessionService
 
-HTTP_ERROR_TYPES = {404: "not_found_error", 405: "method_not_allowed_error", 413: "request_too_large_error"}
+HTTP_ERROR_TYPES = {404: "not_found_error", 405: "method_not_allowed_error"}
 
 
 def activate_version(name: str, pm: MilesPluginManager | None = None) -> SessionVersion:
@@ -72,6 +72,7 @@ def build_app(
             headers=config.upstream_headers,
         ) as engine:
             app.state.service = SessionService(version, tokenizer, engine, limits=config.limits)
+            app.state.max_body_bytes = config.max_body_bytes
             yield
 
     return Starlette(
@@ -85,7 +86,6 @@ def build_app(
         ],
         exception_handlers={SessionError: session_error, HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
-        max_body_size=config.max_body_bytes,
     )
 
 
@@ -96,12 +96,27 @@ def _service(request: Request) -> SessionService:
     return request.app.state.service
 
 
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 past ``max_body_bytes`` (before reading it all)."""
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds max_body_bytes={limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds max_body_bytes={limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def health(request: Request) -> Response:
     return json_response(_service(request).health())
 
 
 async def create_session(request: Request) -> Response:
-    return json_response({"session_id": _service(request).create(await request.body())})
+    return json_response({"session_id": _service(request).create(await read_body(request))})
 
 
 async def get_session(request: Request) -> Response:
@@ -115,7 +130,7 @@ async def delete_session(request: Request) -> Response:
 
 
 async def chat_completions(request: Request) -> Response:
-    outcome = await _service(request).chat(request.path_params["session_id"], await request.body())
+    outcome = await _service(request).chat(request.path_params["session_id"], await read_body(request))
     if outcome.stream:
         return Response(
             sse_events(outcome.reply, include_usage=outcome.include_usage),
@@ -127,7 +142,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def samples(request: Request) -> Response:
     service = _service(request)
-    session, options = service.sample_job(request.path_params["session_id"], await request.body())
+    session, options = service.sample_job(request.path_params["session_id"], await read_body(request))
     body = await run_in_threadpool(lambda: dumps(service.assemble(session, options)))
     return Response(body, media_type="application/json")
 

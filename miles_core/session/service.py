@@ -23,10 +23,15 @@ from typing import Any
 
 from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
-from miles_core.session.config import ServiceLimits
 from miles_core.session.completion import client_reply, extract_completion
+from miles_core.session.config import ServiceLimits
 from miles_core.session.errors import Conflict, InvalidRequest, SessionError, SessionNotFound, UpstreamFailure
-from miles_core.session.normalize import normalize_chat_request, normalize_samples_request, parse_json_object, upstream_body
+from miles_core.session.normalize import (
+    normalize_chat_request,
+    normalize_samples_request,
+    parse_json_object,
+    upstream_body,
+)
 from miles_core.session.trajectory import SampleOptions, TurnRecord
 
 

@@ -269,6 +269,8 @@ class StubEngine:
                 conn.start_next_cycle()
         except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
             return  # the client went away or spoke broken HTTP: nothing to answer
+        except asyncio.CancelledError:
+            return  # stop() ends open connections this way
         finally:
             self._tasks.discard(task)
             writer.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from miles_core.session.base import SessionVersion, TrajectoryStore
 from miles_core.session.completion import Completion
@@ -42,7 +42,7 @@ class ConformanceTokenizer:
     """ChatML over UTF-8 bytes: ids 0-255 are bytes, 256/257 are ``<|im_start|>``/``<|im_end|>``."""
 
     family = CHATML
-    SPECIAL = {"<|im_start|>": 256, "<|im_end|>": 257}
+    SPECIAL: ClassVar[dict[str, int]] = {"<|im_start|>": 256, "<|im_end|>": 257}
     STOP_ID = 257
 
     def encode(self, text: str) -> tuple[int, ...]:

@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from miles_core.assets.tiny_tokenizer import tiny_tokenizer_dir
+from miles_core.plugins import MilesPluginManager
 from miles_core.session.config import SessionServerConfig
 from miles_core.session.embed import serve_in_thread
 from miles_core.session.tokenizer import ChatTokenizer
 from miles_core.testing.engine_stub import Fault, ScriptedChat, StubEngine
-from miles_core.plugins import MilesPluginManager
 from miles_core.testing.isolation import register_builtins
 
 

@@ -64,22 +64,23 @@ def _trailing_ones(mask):
     return len(mask) - len("".join(map(str, mask)).rstrip("1"))
 
 
+def _race(harness, body):
+    sid = harness.create()
+    statuses = []
+    threads = [threading.Thread(target=lambda: statuses.append(harness.chat(sid, body).status_code)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    records = harness.state(sid).json()["records"]
+    samples = harness.client.post(f"/sessions/{sid}/samples").json()["samples"]
+    return sorted(statuses), len(records), len(samples)
+
+
 def test_concurrent_requests_v1_409_v2_siblings(serve) -> None:
     """Two requests on one session at once: v1 answers the second 409 (nothing is dropped
     silently); v2 generates both as sibling turns and samples the later one."""
-    results = {}
-    for version in ("v1", "v2"):
-        harness = serve(version, stub_delay=0.3)
-        sid = harness.create()
-        body = {"messages": [{"role": "user", "content": "race"}]}
-        statuses = []
-        threads = [threading.Thread(target=lambda: statuses.append(harness.chat(sid, body).status_code)) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        state = harness.state(sid).json()
-        samples = harness.client.post(f"/sessions/{sid}/samples").json()["samples"]
-        results[version] = (sorted(statuses), len(state["records"]), len(samples))
+    body = {"messages": [{"role": "user", "content": "race"}]}
+    results = {version: _race(serve(version, stub_delay=0.3), body) for version in ("v1", "v2")}
     assert results["v1"] == ([200, 409], 1, 1)
     assert results["v2"] == ([200, 200], 2, 1)
