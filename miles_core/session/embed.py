@@ -27,7 +27,7 @@ from miles_core.session.config import SessionServerConfig
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (``port=0``: a free port), ready for uvicorn."""
+    """A listening TCP socket on ``host:port`` (``port=0``: a free port), ready for uvicorn."""
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
     # listening socket says so, and without it every reply waits ~40 ms on Nagle + delayed ACK.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -35,6 +35,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on, before the server loop accepts them
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc

@@ -145,9 +145,10 @@ def upstream_body(request: ChatRequest, prompt_ids: Sequence[int]) -> dict[str, 
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """``messages[2].role: Input should be ...`` for the first error, with a count of the rest."""
+    """``messages[2].role: Input should be ...`` for the most specific error, with a count of
+    the rest (for a union, the branch that got deepest into the input explains it best)."""
     errors = exc.errors(include_url=False)
-    first = errors[0]
+    first = max(errors, key=lambda error: len(error["loc"]))
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
     # Union errors name the branch tried ("content.str"); the field path is what a user needs.
     where = where.replace(".str", "").replace(".list[_TextPart]", "").replace(".dict[str,any]", "")

@@ -139,6 +139,12 @@ def _rejected_without_change(driver: Driver, action: Callable[[], object], statu
     raise ConformanceError("the request was accepted but must be rejected")
 
 
+def _only_sample(driver: Driver) -> dict[str, Any]:
+    samples = driver.samples()
+    _require(len(samples) == 1, f"expected exactly one sample, got {len(samples)}")
+    return samples[0]
+
+
 def _check_sample_shape(sample: Mapping[str, Any]) -> None:
     n = sample["response_length"]
     _require(len(sample["tokens"]) - sample["prompt_length"] == n, "response_length != len(tokens) - prompt_length")
@@ -171,7 +177,7 @@ def check_first_turn_records_exact_tokens(version: SessionVersion) -> None:
     _require(d.accumulated() == list(plan.prompt_ids) + list(done.token_ids), "accumulated != prompt + completion")
     records = d.store.describe()["records"]
     _require(len(records) == 1 and records[0]["request"]["input_ids"] == list(plan.prompt_ids), "record does not hold the upstream request")
-    [sample] = d.samples()
+    sample = _only_sample(d)
     _check_sample_shape(sample)
     _require(sample["tokens"] == d.accumulated(), "sample tokens != accumulated tokens")
     _require(sample["prompt_length"] == len(plan.prompt_ids), "prompt_length != first prompt length")
@@ -188,7 +194,7 @@ def check_extension_appends_observation(version: SessionVersion) -> None:
     check_extends(first, plan.prompt_ids)
     _require(plan.parent is not None, "an extension did not attach to the generated turn")
     d.commit(plan, completion("a2"))
-    [sample] = d.samples()
+    sample = _only_sample(d)
     _check_sample_shape(sample)
     observation = len(plan.prompt_ids) - len(first)
     expected_mask = [1] * (len(first) - sample["prompt_length"]) + [0] * observation + [1] * len(completion("a2").token_ids)
@@ -213,7 +219,7 @@ def check_retry_replaces_last_turn(version: SessionVersion) -> None:
     retry = request(user("q1"), a1, user("q2"))
     plan = d.store.plan(retry, TOKENIZER)
     d.commit(plan, completion("a2-retry"))
-    [sample] = d.samples()
+    sample = _only_sample(d)
     _require(sample["tokens"] == list(plan.prompt_ids) + list(completion("a2-retry").token_ids), "the retried turn is not the sample's last turn")
     _require(sum(sample["loss_mask"]) == len(completion("a1").token_ids) + len(completion("a2-retry").token_ids), "superseded turn still trained")
 
@@ -255,7 +261,7 @@ def check_truncated_turn_cannot_be_extended(version: SessionVersion) -> None:
     d = Driver(version)
     a1 = d.turn(request(user("q1")), "cut", finish_reason="length")
     _rejected_without_change(d, lambda: d.store.plan(request(user("q1"), a1, user("q2")), TOKENIZER), 409)
-    [sample] = d.samples()
+    sample = _only_sample(d)
     _require(sample["status"] == "truncated", "a length-limited turn's sample is not marked truncated")
     d.store.plan(request(user("q1")), TOKENIZER)  # retrying it is fine
 
@@ -321,8 +327,9 @@ CHECKS: dict[str, Callable[[SessionVersion], None]] = {
 def run_check(version: SessionVersion, name: str) -> None:
     try:
         CHECKS[name](version)
-    except ConformanceError as exc:
-        raise ConformanceError(f"session version {version.name!r} fails conformance check {name!r}: {exc}") from exc
+    except Exception as exc:  # a broken store may fail in any way; report it as the check's failure
+        cause = str(exc) if isinstance(exc, ConformanceError) else f"{type(exc).__name__}: {exc}"
+        raise ConformanceError(f"session version {version.name!r} fails conformance check {name!r}: {cause}") from exc
 
 
 def run_conformance(version: SessionVersion) -> list[str]:
