@@ -61,10 +61,8 @@ def serve(
     /sessions/{id}/v1/chat/completions, and the trainer collects token-exact samples from
     POST /sessions/{id}/samples. Bad options exit 2 before anything listens.
     """
-    import uvicorn
-
     from miles_core.session.config import SessionServerConfig
-    from miles_core.session.embed import base_url, bind_socket
+    from miles_core.session.embed import base_url, bind_socket, uvicorn_server
     from miles_core.session.server import build_app
 
     config = SessionServerConfig(
@@ -83,7 +81,7 @@ def serve(
     sock = bind_socket(host, port)
     click.echo(f"miles session server (version {version}) listening on {base_url(sock)}, upstream {upstream_url}")
     sys.stdout.flush()
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on")).run(sockets=[sock])
+    uvicorn_server(app, log_level=log_level, access_log=True).run(sockets=[sock])
 
 
 @session.command()

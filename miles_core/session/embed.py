@@ -47,15 +47,28 @@ def base_url(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
+#: agents often think or run tools between turns; uvicorn's default (5 s) closes their idle
+#: connections, and a client that reuses one just as it closes sees a reset
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_server(app: Any, *, log_level: str = "warning", access_log: bool = False) -> Any:
+    """A ``uvicorn.Server`` for ``app`` with the settings every session server uses."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=KEEP_ALIVE_S
+    )
+    return uvicorn.Server(config)
+
+
 @contextmanager
 def run_app_in_thread(
     app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0, log_level: str = "warning"
 ) -> Iterator[str]:
     """Serve the ASGI ``app`` with uvicorn in a daemon thread; yield its base URL."""
-    import uvicorn
-
     sock = bind_socket(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False))
+    server = uvicorn_server(app, log_level=log_level)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"asgi-{host}:{port}", daemon=True)
     thread.start()
     try:

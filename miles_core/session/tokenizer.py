@@ -14,6 +14,7 @@ mismatch fails at start-up instead of drifting tokens silently.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ DUMMY_HISTORY: tuple[Message, ...] = (
     {"role": "user", "content": "U"},
     {"role": "assistant", "content": "A"},
 )
+
+
+DUMMY_CACHE_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class ChatTokenizer:
         self.stop_id = self._single_token(family.stop_token) if family.stop_token else None
         self.reopening_ids = frozenset(self._single_token(t) for t in family.reopening_stops)
         self._close_after_stop = family.assistant_close[len(family.stop_token or "") :]
+        self._dummy_cache: dict[str, str] = {}
         self._check_family()
 
     @classmethod
@@ -98,7 +103,7 @@ class ChatTokenizer:
         template_kwargs: Mapping[str, Any],
     ) -> Appended:
         """Tokens to append after a generated turn ending in ``completion_ids``."""
-        before = self._render(DUMMY_HISTORY, tools, template_kwargs, generation_prompt=False)
+        before = self._dummy_history(tools, template_kwargs)
         after = self._render((*DUMMY_HISTORY, *messages), tools, template_kwargs, generation_prompt=True)
         if not after.startswith(before):
             raise InvalidRequest(
@@ -113,6 +118,17 @@ class ChatTokenizer:
         return Appended(trim=0, ids=self.encode(close + diff))
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _dummy_history(self, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any]) -> str:
+        """The rendering of :data:`DUMMY_HISTORY`, cached per tools + kwargs (one per agent setup)."""
+        key = json.dumps([tools, template_kwargs], sort_keys=True, default=repr)
+        cached = self._dummy_cache.get(key)
+        if cached is None:
+            cached = self._render(DUMMY_HISTORY, tools, template_kwargs, generation_prompt=False)
+            if len(self._dummy_cache) >= DUMMY_CACHE_SIZE:
+                self._dummy_cache.pop(next(iter(self._dummy_cache)))
+            self._dummy_cache[key] = cached
+        return cached
 
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False))

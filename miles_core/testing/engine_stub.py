@@ -160,7 +160,11 @@ def chat_reply(
 class StubEngine:
     """Serve ``responder`` on ``host`` (a free port) from a background thread."""
 
-    def __init__(self, responder: Responder, *, host: str = "127.0.0.1", delay_s: float = 0.0) -> None:
+    def __init__(
+        self, responder: Responder, *, host: str = "127.0.0.1", delay_s: float | Callable[[StubRequest], float] = 0.0
+    ) -> None:
+        """``delay_s`` simulates generation time per chat request: seconds, or a function of
+        the request."""
         self.responder = responder
         self.host = host
         self.delay_s = delay_s
@@ -202,7 +206,9 @@ class StubEngine:
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
-            self._server = self._loop.run_until_complete(asyncio.start_server(self._connection, self.host, 0))
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._connection, self.host, 0, backlog=2048)
+            )
             ready.set()
             self._loop.run_forever()
 
@@ -298,8 +304,9 @@ class StubEngine:
             return 200, b""
         if request.path != CHAT_PATH or request.method != "POST":
             return 404, b'{"error": "not found"}'
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        delay = self.delay_s(request) if callable(self.delay_s) else self.delay_s
+        if delay:
+            await asyncio.sleep(delay)
         if fault is Fault.STATUS_500:
             return 500, json.dumps({"error": "engine exploded: " + "x" * 10_000}).encode()
         try:
