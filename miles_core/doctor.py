@@ -19,6 +19,7 @@ Status = Literal["ok", "fail", "skip", "info"]
 #: (concern, "module:function"), run in this order
 CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("plugins", "miles_core.doctor:check_plugins"),
+    ("ci", "miles_core.ci.doctor:check"),
     ("session", "miles_core.session.doctor:check"),
 )
 

@@ -103,9 +103,11 @@ def miles_ci_hardware() -> Sequence[Any]:
 
     Called: by ``miles ci ...`` when test registrations are discovered and workflows generated.
 
-    Returns: a list of hardware kinds: the registration marker function name (for example
-    ``register_rocm_ci``), runner labels, default suites and the failure classes that may be
-    retried. ``verify()`` checks the kind's suites are consistent with its registrations.
+    Returns: a list of hardware kinds: the registration marker (for example
+    ``miles_rocm.ci:register_rocm_ci``), runner setup, default suites and the failure classes
+    that may be retried. ``verify()`` checks the marker is a runtime no-op whose signature
+    ``miles ci`` can parse and that the kind's default suites fit it; suites and registrations
+    are checked against the kind when ``miles ci`` loads a tree.
     """
 
 

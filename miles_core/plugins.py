@@ -20,22 +20,19 @@ that is -- or may be -- contributing to it is broken.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import pluggy
 
 from miles_core import hookspecs
+from miles_core.entry_points import entry_points
 from miles_core.errors import ActivationError, ConfigError, PluginLoadError
 
 if TYPE_CHECKING:
@@ -114,11 +111,7 @@ class PluginRecord:
         Import and registration failures count for every concern: what the plugin would have
         contributed is unknown, so activation fails closed.
         """
-        return [
-            p
-            for p in self.problems
-            if p.stage in ("import", "register") or p.concern in (concern, None)
-        ]
+        return [p for p in self.problems if p.stage in ("import", "register") or p.concern in (concern, None)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -204,17 +197,16 @@ class MilesPluginManager:
     def discover(self, group: str = hookspecs.ENTRY_POINT_GROUP) -> None:
         """Find, filter, import and register every entry-point plugin of ``group``."""
         eps = sorted(
-            metadata.entry_points(group=group),
-            key=lambda ep: (ep.dist is None or ep.dist.name != CORE_DISTRIBUTION, ep.name),
+            entry_points(group),
+            key=lambda ep: (ep.distribution != CORE_DISTRIBUTION, ep.name),
         )
         for ep in eps:
-            dist_name = ep.dist.name if ep.dist is not None else None
-            dist_version = ep.dist.version if ep.dist is not None else None
+            dist_name = ep.distribution
             record = PluginRecord(
                 name=ep.name,
                 module_path=ep.value,
                 distribution=dist_name,
-                version=dist_version,
+                version=ep.version,
                 builtin=dist_name == CORE_DISTRIBUTION,
             )
             if ep.name in self._records:
@@ -231,11 +223,9 @@ class MilesPluginManager:
                 continue
             started = time.perf_counter()
             try:
-                module = ep.load()
+                module = import_object(ep.value)
             except Exception as exc:  # a broken plugin must not take the CLI down
-                record.problems.append(
-                    Problem("import", _describe(exc), detail=traceback.format_exc())
-                )
+                record.problems.append(Problem("import", _describe(exc), detail=_traceback()))
                 self._fail(record)
                 continue
             finally:
@@ -275,7 +265,7 @@ class MilesPluginManager:
         try:
             self._pm.register(module, name=record.name)
         except Exception as exc:
-            record.problems.append(Problem("register", _describe(exc), detail=traceback.format_exc()))
+            record.problems.append(Problem("register", _describe(exc), detail=_traceback()))
             self._fail(record)
             return
         known = _hook_names()
@@ -285,9 +275,7 @@ class MilesPluginManager:
         if unknown:
             self._pm.unregister(module)
             record.hooks = []
-            record.problems.append(
-                Problem("register", f"implements unknown hook(s) {', '.join(unknown)}")
-            )
+            record.problems.append(Problem("register", f"implements unknown hook(s) {', '.join(unknown)}"))
             self._fail(record)
 
     def _warn_unknown_filters(self) -> None:
@@ -340,7 +328,7 @@ class MilesPluginManager:
                     objects = _validate_contributions(result, hook_name)
                 except Exception as exc:
                     record.problems.append(
-                        Problem("hook", f"{hook_name} raised {_describe(exc)}", concern, traceback.format_exc())
+                        Problem("hook", f"{hook_name} raised {_describe(exc)}", concern, _traceback())
                     )
                     self._fail(record)
                     continue
@@ -349,7 +337,11 @@ class MilesPluginManager:
                     if obj.name in seen:
                         other = seen[obj.name].plugin
                         record.problems.append(
-                            Problem("conflict", f"{concern} {obj.name!r} is already provided by plugin {other.label}", concern)
+                            Problem(
+                                "conflict",
+                                f"{concern} {obj.name!r} is already provided by plugin {other.label}",
+                                concern,
+                            )
                         )
                         self._fail(record)
                         continue
@@ -411,7 +403,12 @@ class MilesPluginManager:
             record = contribution.plugin
             cause = _describe(exc)
             record.problems.append(
-                Problem("verify", f"{contribution.concern} {contribution.name!r}: {cause}", contribution.concern, traceback.format_exc())
+                Problem(
+                    "verify",
+                    f"{contribution.concern} {contribution.name!r}: {cause}",
+                    contribution.concern,
+                    _traceback(),
+                )
             )
             raise ActivationError(
                 plugin=record.name,
@@ -435,11 +432,12 @@ class MilesPluginManager:
     def fingerprint(self) -> dict[str, Any]:
         """What other processes compare to prove they loaded the same plugins and patches."""
         body = {
-            "plugins": sorted(
-                [r.name, r.distribution, r.version, r.status] for r in self._records.values()
-            ),
+            "plugins": sorted([r.name, r.distribution, r.version, r.status] for r in self._records.values()),
             "applied_patches": self.applied_patches,
         }
+        import hashlib
+        import json
+
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return {**body, "digest": hashlib.sha256(canonical.encode()).hexdigest()}
 
@@ -460,7 +458,12 @@ class MilesPluginManager:
                     cli.commands.clear()
                     cli.commands.update(before)
                     record.problems.append(
-                        Problem("hook", f"miles_commands raised {_describe(exc)}", "commands", traceback.format_exc())
+                        Problem(
+                            "hook",
+                            f"miles_commands raised {_describe(exc)}",
+                            "commands",
+                            _traceback(),
+                        )
                     )
                     self._fail(record)
                     continue
@@ -469,7 +472,11 @@ class MilesPluginManager:
                     cli.commands.clear()
                     cli.commands.update(before)
                     record.problems.append(
-                        Problem("conflict", f"miles_commands tried to replace command(s) {', '.join(clobbered)}", "commands")
+                        Problem(
+                            "conflict",
+                            f"miles_commands tried to replace command(s) {', '.join(clobbered)}",
+                            "commands",
+                        )
                     )
                     self._fail(record)
                     continue
@@ -506,6 +513,12 @@ def _validate_contributions(result: Any, hook_name: str) -> list[Any]:
         if not callable(getattr(obj, "verify", None)):
             raise TypeError(f"{hook_name} returned {name!r} without a callable verify()")
     return list(result)
+
+
+def _traceback() -> str:
+    import traceback  # only on the error path: it pulls in linecache and tokenize
+
+    return traceback.format_exc()
 
 
 def _describe(exc: BaseException) -> str:

@@ -53,7 +53,7 @@ CHAT_TEMPLATE = (
     "<|im_start|>assistant{{ nl }}{{ message.content or '' }}"
     "{% for call in (message.tool_calls or []) %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    "<tool_call>{{ nl }}{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    '<tool_call>{{ nl }}{"name": "{{ fn.name }}", "arguments": '
     "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
     "}{{ nl }}</tool_call>"
     "{% endfor %}"

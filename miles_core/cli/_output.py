@@ -19,8 +19,16 @@ def console():
     return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
 
 
-STATUS_STYLE = {"ok": "green", "broken": "red", "blocked": "yellow", "fail": "red", "skip": "yellow", "info": "cyan"}
+STATUS_STYLE = {
+    "ok": "green",
+    "broken": "red",
+    "blocked": "yellow",
+    "fail": "red",
+    "skip": "yellow",
+    "info": "cyan",
+}
 
 
 def styled(status: str) -> str:
-    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"
+    """``status`` in its colour; padding in ``status`` is kept (the style is looked up stripped)."""
+    return f"[{STATUS_STYLE.get(status.strip(), 'white')}]{status}[/]"

@@ -30,11 +30,13 @@ def doctor(as_json: bool) -> None:
                 concern = r.concern
                 out.print(f"\n[bold]{concern}[/]")
             flag = "" if r.required else " [dim](optional)[/]"
-            out.print(f"  {styled(r.status):>16} {r.item}{flag}: {r.detail}")
+            out.print(f"  {styled(r.status.ljust(4))} {r.item}{flag}: {r.detail}")
             for key, value in r.data.items():
                 if key != "traceback":
-                    out.print(f"           [dim]{key}: {value}[/]")
-        verdict = "[green]all required checks passed[/]" if report.ok else "[red]some required checks failed[/]"
+                    out.print(f"       [dim]{key}: {value}[/]")
+        verdict = (
+            "[green]all required checks passed[/]" if report.ok else "[red]some required checks failed[/]"
+        )
         out.print(f"\n{verdict} ({report.seconds:.1f} s); fingerprint {report.fingerprint['digest'][:16]}")
     if not report.ok:
         sys.exit(1)

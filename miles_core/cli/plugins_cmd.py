@@ -73,7 +73,9 @@ def show_plugin(name: str, as_json: bool) -> None:
         emit_json(data)
         return
     out = console()
-    out.print(f"[bold]{record.name}[/]  {record.distribution or '-'} {record.version or ''}  {styled(record.status)}")
+    out.print(
+        f"[bold]{record.name}[/]  {record.distribution or '-'} {record.version or ''}  {styled(record.status)}"
+    )
     out.print(f"module: {record.module_path}" + ("  (built-in)" if record.builtin else ""))
     if record.import_ms is not None:
         out.print(f"import: {record.import_ms:.1f} ms")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 
 from miles_core.plugins import MilesPluginManager, set_plugin_manager
@@ -53,3 +54,18 @@ def register_builtins(pm: MilesPluginManager) -> None:
                 version=__version__,
                 builtin=True,
             )
+
+
+def plugin_module(name: str, **hooks: Callable[..., object]) -> ModuleType:
+    """Build an in-memory plugin module whose hook implementations are ``hooks``.
+
+    ``plugin_module("demo", miles_tasks=lambda: [my_task])`` is equivalent to a module with an
+    ``@hookimpl def miles_tasks(): return [my_task]``; register it with ``pm.register(...)``.
+    """
+    from miles_core.hookspecs import hookimpl
+
+    module = types.ModuleType(name)
+    for hook_name, fn in hooks.items():
+        fn.__name__ = hook_name
+        setattr(module, hook_name, hookimpl(fn))
+    return module

@@ -1,6 +1,9 @@
 """miles-qwen35 is discovered through its entry point and loads cleanly."""
 
+from miles_core.ci.register import register_cpu_ci
 from miles_core.plugins import MilesPluginManager
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def test_discovered_through_entry_point() -> None:

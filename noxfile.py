@@ -1,0 +1,96 @@
+"""Sessions: lint, tests (everything installed), one per plugin (core + that plugin only), packaging.
+
+``nox`` with no arguments runs them all; that is the README's test command and what CI runs.
+torch is always installed first, pinned to the CPU build on disk: an unpinned torch would pull a
+multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests", "plugin", "packaging"]
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"
+PLUGINS = ["miles_rocm", "miles_e2b", "miles_qwen35", "miles_mtp"]
+ALL_LOCAL = ["-e", ".[dev]", *[arg for p in PLUGINS for arg in ("-e", f"plugins/{p}")]]
+
+
+def _version(init_file: Path) -> str:
+    for line in init_file.read_text().splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    raise ValueError(f"no __version__ in {init_file}")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The CPU suites, run through `miles ci run`, with every distribution of the repository installed.
+
+    The committed workflows must match what `miles ci workflows` generates from the suites.
+    Extra arguments are passed to `miles ci run` (e.g. `nox -s tests -- --partition 1/2`).
+    """
+    session.install(TORCH)
+    session.install(*ALL_LOCAL)
+    session.run("miles", "ci", "workflows", "--check")
+    for suite in ("stage-a-cpu", "stage-b-cpu"):
+        session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite, *session.posargs)
+
+
+@nox.session
+@nox.parametrize("name", PLUGINS)
+def plugin(session: nox.Session, name: str) -> None:
+    """One plugin's tests with only the core and that plugin (and its declared deps) installed."""
+    session.install(TORCH)
+    session.install("-e", ".[dev]", "-e", f"plugins/{name}")
+    session.run("pytest", f"plugins/{name}/tests", *session.posargs)
+
+
+@nox.session
+def packaging(session: nox.Session) -> None:
+    """Build every wheel, install ``miles[rocm,e2b]`` from them into a fresh venv, check the plugins."""
+    session.install("build>=1.2")
+    with tempfile.TemporaryDirectory(prefix="miles-packaging-") as tmp:
+        wheels = Path(tmp) / "wheels"
+        for source in [ROOT, *(ROOT / "plugins" / p for p in PLUGINS)]:
+            session.run("python", "-m", "build", "--wheel", "--outdir", str(wheels), str(source), silent=True)
+        built = sorted(p.name for p in wheels.glob("*.whl"))
+        session.log(f"built {built}")
+        if len(built) != 1 + len(PLUGINS):
+            session.error(f"expected {1 + len(PLUGINS)} wheels, built {built}")
+
+        venv = Path(tmp) / "venv"
+        session.run("python", "-m", "venv", str(venv))
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        session.run(*pip, TORCH, external=True)
+        session.run(*pip, "--find-links", str(wheels), "miles[rocm,e2b]", external=True)
+        out = session.run(
+            str(venv / "bin" / "miles"), "plugins", "list", "--json", external=True, silent=True
+        )
+        plugins = {p["name"]: p for p in json.loads(out)["plugins"]}
+        third_party = {n: (p["version"], p["status"]) for n, p in plugins.items() if not p["builtin"]}
+        expected = {
+            f"miles-{short}": (
+                _version(ROOT / "plugins" / f"miles_{short}" / f"miles_{short}" / "__init__.py"),
+                "ok",
+            )
+            for short in ("rocm", "e2b")
+        }
+        if third_party != expected:
+            session.error(f"miles plugins list shows {third_party}, expected exactly {expected}")
+        broken = [n for n, p in plugins.items() if p["status"] != "ok"]
+        if broken:
+            session.error(f"plugins not ok after install: {broken}")
+        session.log(f"installed plugins verified: {third_party}")

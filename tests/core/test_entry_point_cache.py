@@ -1,0 +1,74 @@
+"""The entry-point cache is used while sys.path is unchanged and rescanned when it changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from miles_core import entry_points as ep_module
+from miles_core.ci.register import register_cpu_ci
+from miles_core.entry_points import EntryPointInfo, entry_points
+
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
+
+GROUP = "miles.plugins"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MILES_NO_ENTRY_POINT_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def scans(monkeypatch):
+    calls: list[str] = []
+    real = ep_module._scan
+
+    def counting(group: str) -> list[EntryPointInfo]:
+        calls.append(group)
+        return real(group)
+
+    monkeypatch.setattr(ep_module, "_scan", counting)
+    return calls
+
+
+def test_second_call_is_served_from_cache(cache_dir, scans) -> None:
+    first = entry_points(GROUP)
+    second = entry_points(GROUP)
+    assert first == second
+    assert scans == [GROUP]
+    names = {e.name for e in first}
+    assert {"miles-rocm", "miles-e2b", "miles-qwen35", "miles-mtp"} <= names
+
+
+def test_a_changed_path_directory_invalidates(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site_dir)])
+    entry_points(GROUP)
+    (site_dir / "new_dist-1.0.dist-info").mkdir()  # what installing a distribution does
+    os.utime(site_dir, ns=(0, os.stat(site_dir).st_mtime_ns + 1_000_000))
+    entry_points(GROUP)
+    assert scans == [GROUP, GROUP]
+
+
+def test_a_corrupt_cache_is_rescanned(cache_dir, scans) -> None:
+    entry_points(GROUP)
+    (cache_file,) = (cache_dir / "entry-points").glob("*.json")
+    cache_file.write_text("{not json")
+    again = entry_points(GROUP)
+    assert scans == [GROUP, GROUP] and again
+    assert json.loads(cache_file.read_text())["version"] == ep_module.CACHE_VERSION
+
+
+def test_cache_can_be_disabled(cache_dir, scans, monkeypatch) -> None:
+    monkeypatch.setenv("MILES_NO_ENTRY_POINT_CACHE", "1")
+    entry_points(GROUP)
+    entry_points(GROUP)
+    assert scans == [GROUP, GROUP]
+    assert not cache_dir.exists()
