@@ -23,8 +23,9 @@ from miles_core.testing.isolation import register_builtins
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_tokenizer_dir(tmp_path_factory.mktemp("miles-cache"))
+def tokenizer_dir() -> Path:
+    """The tiny tokenizer, generated once per recipe into the miles cache (content-addressed)."""
+    return tiny_tokenizer_dir()
 
 
 @pytest.fixture(scope="session")

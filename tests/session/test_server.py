@@ -7,7 +7,7 @@ import time
 from miles_core.ci.register import register_cpu_ci
 from miles_core.session.trajectory import SERVER_METADATA_KEYS
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=20, suite="stage-a-cpu")
 
 Q1 = {"role": "user", "content": "one"}
 
