@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,6 +24,9 @@ from miles_core.session.trajectory import SERVER_METADATA_KEYS, SampleOptions
 FORCED_UPSTREAM_FLAGS: dict[str, Any] = {"logprobs": True, "return_meta_info": True, "no_stop_trim": False}
 #: client fields consumed by the session server and not forwarded upstream
 TRANSPORT_FIELDS = ("stream", "stream_options")
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class _Strict(BaseModel):
@@ -103,12 +106,7 @@ def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, A
 
 def normalize_chat_request(body: bytes) -> ChatRequest:
     raw = parse_json_object(body)
-    try:
-        parsed = _ChatBody.model_validate(raw)
-    except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc)) from None
-    except RecursionError:
-        raise InvalidRequest("request body is nested too deeply") from None
+    parsed = _validate(_ChatBody, raw)
     messages = raw["messages"]
     try:
         keys = tuple(message_key(m) for m in messages)
@@ -128,10 +126,7 @@ def normalize_chat_request(body: bytes) -> ChatRequest:
 def normalize_samples_request(body: bytes) -> SampleOptions:
     """``{"max_seq_len"?: int >= 1, "metadata"?: object}``; metadata may not use server-owned keys."""
     raw = parse_json_object(body)
-    try:
-        parsed = _SamplesBody.model_validate(raw)
-    except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc)) from None
+    parsed = _validate(_SamplesBody, raw)
     metadata = parsed.metadata or {}
     clash = SERVER_METADATA_KEYS.intersection(metadata)
     if clash:
@@ -142,6 +137,15 @@ def normalize_samples_request(body: bytes) -> SampleOptions:
 def upstream_body(request: ChatRequest, prompt_ids: Sequence[int]) -> dict[str, Any]:
     """The body sent upstream: the client's fields, the server-owned prompt ids, forced flags."""
     return {**request.forward, "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
+
+
+def _validate(model: type[ModelT], raw: dict[str, Any]) -> ModelT:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:
