@@ -52,17 +52,7 @@ def extract_completion(reply: Mapping[str, Any]) -> Completion:
     pairs = meta.get("output_token_logprobs")
     if not isinstance(pairs, list):
         raise _bad("choices[0].meta_info.output_token_logprobs is missing or not a list")
-    token_ids, logprobs = [], []
-    for i, pair in enumerate(pairs):
-        if not isinstance(pair, (list, tuple)) or len(pair) < 2:
-            raise _bad(f"output_token_logprobs[{i}] is not a [logprob, token_id] pair")
-        logprob, token_id = pair[0], pair[1]
-        if not _is_int(token_id) or token_id < 0:
-            raise _bad(f"output_token_logprobs[{i}] token id {token_id!r} is not a non-negative integer")
-        if not _is_number(logprob) or not math.isfinite(logprob) or logprob > 0:
-            raise _bad(f"output_token_logprobs[{i}] log-prob {logprob!r} is not a finite number <= 0")
-        token_ids.append(token_id)
-        logprobs.append(float(logprob))
+    token_ids, logprobs = _split_pairs(pairs)
     expected = meta.get("completion_tokens", (reply.get("usage") or {}).get("completion_tokens"))
     if not _is_int(expected):
         raise _bad("completion_tokens is missing (neither meta_info.completion_tokens nor usage.completion_tokens)")
@@ -93,6 +83,31 @@ def extract_completion(reply: Mapping[str, Any]) -> Completion:
         finish_reason=finish_reason,
         weight_version=None if weight_version is None else str(weight_version),
     )
+
+
+def _split_pairs(pairs: list[Any]) -> tuple[list[int], list[float]]:
+    """Token ids and log-probs of ``[logprob, token_id]`` pairs: a bulk check for the common
+    case (completions run to thousands of tokens), then a per-entry pass that names the first
+    bad entry or accepts unusual but valid spellings (tuples, int subclasses)."""
+    if all(type(p) is list and len(p) >= 2 for p in pairs):
+        token_ids = [p[1] for p in pairs]
+        logprobs = [p[0] for p in pairs]
+        if all(type(t) is int and t >= 0 for t in token_ids) and all(
+            (type(x) is float or type(x) is int) and -math.inf < x <= 0 for x in logprobs
+        ):
+            return token_ids, [float(x) for x in logprobs]
+    token_ids, logprobs = [], []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) < 2:
+            raise _bad(f"output_token_logprobs[{i}] is not a [logprob, token_id] pair")
+        logprob, token_id = pair[0], pair[1]
+        if not _is_int(token_id) or token_id < 0:
+            raise _bad(f"output_token_logprobs[{i}] token id {token_id!r} is not a non-negative integer")
+        if not _is_number(logprob) or not math.isfinite(logprob) or logprob > 0:
+            raise _bad(f"output_token_logprobs[{i}] log-prob {logprob!r} is not a finite number <= 0")
+        token_ids.append(int(token_id))
+        logprobs.append(float(logprob))
+    return token_ids, logprobs
 
 
 def client_reply(reply: Mapping[str, Any]) -> dict[str, Any]:
