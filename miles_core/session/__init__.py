@@ -12,4 +12,25 @@ Layers, each in its own module:
 * :mod:`.service` -- the chat pipeline and the session registry, transport-agnostic
 
 Versions are contributed through the ``miles_session_versions`` hook (protocol in :mod:`.base`).
+
+``from miles_core.session import SessionServerConfig, serve_in_thread, build_app`` works; the
+names are imported on first use, so importing this package (plugin discovery does) stays cheap.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "SessionServerConfig": "miles_core.session.config",
+    "serve_in_thread": "miles_core.session.embed",
+    "build_app": "miles_core.session.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,9 +14,9 @@ def session() -> None:
 
 
 @session.command()
-@click.option("--upstream", "upstream_url", required=True, metavar="URL",
+@click.option("--upstream", "--upstream-url", "upstream_url", required=True, metavar="URL",
               help="Base URL of the SGLang-compatible engine, e.g. http://127.0.0.1:30000 (without /v1).")
-@click.option("--tokenizer", "tokenizer_dir", required=True, metavar="DIR",
+@click.option("--tokenizer", "--tokenizer-dir", "tokenizer_dir", required=True, metavar="DIR",
               type=click.Path(file_okay=False, path_type=Path),
               help="Hugging Face tokenizer directory whose chat template renders prompts.")
 @click.option("--version", "version", default="v1", show_default=True, metavar="NAME",

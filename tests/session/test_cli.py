@@ -18,7 +18,7 @@ from miles_core.testing.engine_stub import ScriptedChat, StubEngine
 register_cpu_ci(est_time=22, suite="stage-a-cpu")
 
 SERVE_OPTIONS = (
-    "--upstream", "--tokenizer", "--version", "--chat-template", "--template-family", "--host", "--port",
+    "--upstream", "--upstream-url", "--tokenizer", "--tokenizer-dir", "--version", "--chat-template", "--template-family", "--host", "--port",
     "--upstream-timeout", "--connect-timeout", "--connect-retries", "--max-sessions", "--max-turns", "--log-level",
 )
 
