@@ -19,6 +19,9 @@ Status = Literal["ok", "fail", "skip", "info"]
 #: (concern, "module:function"), run in this order
 CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("plugins", "miles_core.doctor:check_plugins"),
+    ("hardware", "miles_core.hardware.doctor:check"),
+    ("patches", "miles_core.patches.doctor:check"),
+    ("sandbox", "miles_core.sandbox.doctor:check"),
     ("ci", "miles_core.ci.doctor:check"),
     ("session", "miles_core.session.doctor:check"),
 )

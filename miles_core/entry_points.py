@@ -15,7 +15,6 @@ import os
 import sys
 import zlib
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 CACHE_VERSION = 1
 ENV_NO_CACHE = "MILES_NO_ENTRY_POINT_CACHE"
@@ -40,12 +39,13 @@ def _path_stamp() -> list[tuple[str, int]]:
     return stamp
 
 
-def _cache_file(group: str) -> Path:
+def _cache_file(group: str) -> str:
+    # os.path rather than pathlib: importing pathlib costs more than this whole module
     root = os.environ.get("MILES_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "miles"
     )
     key = zlib.adler32(f"{sys.executable}\0{group}".encode()) & 0xFFFFFFFF
-    return Path(root) / "entry-points" / f"{key:08x}.json"
+    return os.path.join(root, "entry-points", f"{key:08x}.json")
 
 
 def _scan(group: str) -> list[EntryPointInfo]:
@@ -67,7 +67,8 @@ def entry_points(group: str) -> list[EntryPointInfo]:
     stamp = [list(s) for s in _path_stamp()]
     cache = _cache_file(group)
     try:
-        data = json.loads(cache.read_text())
+        with open(cache, encoding="utf-8") as f:
+            data = json.load(f)
         if data.get("version") == CACHE_VERSION and data.get("stamp") == stamp:
             return [EntryPointInfo(**item) for item in data["entry_points"]]
     except (OSError, ValueError, TypeError, KeyError):
@@ -75,9 +76,10 @@ def entry_points(group: str) -> list[EntryPointInfo]:
     found = _scan(group)
     payload = {"version": CACHE_VERSION, "stamp": stamp, "entry_points": [asdict(e) for e in found]}
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(payload))
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(payload, f)
         os.replace(tmp, cache)
     except OSError:
         pass  # a read-only home only costs the next run a rescan

@@ -57,7 +57,8 @@ def miles_hardware_backends() -> Sequence[Any]:
     Returns: a list of backend objects. Exactly one backend is active per process: among those
     whose ``detect()`` claims the machine, a plugin's backend beats a built-in one; two plugins
     claiming the machine is an error naming both; ``MILES_HARDWARE=<name>`` overrides detection.
-    The selected backend's ``verify()`` must pass before any work starts.
+    :func:`miles_core.hardware.activate` then calls the selected backend's ``apply()`` and
+    ``verify()``, which must pass before any work starts.
     """
 
 
@@ -71,6 +72,9 @@ def miles_model_patches() -> Sequence[Any]:
     Returns: a list of patch objects. For each one whose ``matches(config)`` is true for the built
     model, the core calls ``apply(model)`` and then ``verify(model)``, which must fail if any
     matched class of the *instantiated* model lacks the patch, and runs its numeric ``probe``.
+    Before that it runs ``check_environment()`` once per process (a problem breaks the plugin),
+    checks the declared kernel ``requires``, and refuses a patch that declines a model containing
+    its ``targets(model)``. The full protocol is :class:`miles_core.patches.base.ModelPatch`.
     """
 
 
@@ -88,12 +92,15 @@ def miles_session_versions() -> Sequence[Any]:
 
 @hookspec
 def miles_sandbox_providers() -> Sequence[Any]:
-    """Sandbox providers (:class:`miles_core.sandbox.base.SandboxProviderSpec`).
+    """Sandbox providers (:class:`miles_core.sandbox.spec.SandboxProviderSpec`).
 
     Called: by ``miles plugins list``, ``miles sandbox providers`` and when a sandbox is needed.
 
-    Returns: a list of provider descriptors whose factories do the heavy SDK imports. The
-    descriptor's ``verify()`` checks that the SDK surface the provider calls exists.
+    Returns: a list of provider descriptors. ``create(config)`` imports the SDK and returns a
+    :class:`miles_core.sandbox.base.SandboxProvider`; ``verify()`` checks the provider's effect
+    (the SDK calls it makes exist with the parameters it passes; the local provider's limits and
+    isolation as seen from inside a probe sandbox). Providers are used through the shared
+    lifecycle layer, :mod:`miles_core.sandbox.lifecycle`.
     """
 
 

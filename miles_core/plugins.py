@@ -137,6 +137,17 @@ class Contribution:
     obj: Any
     plugin: PluginRecord
 
+    def error(self, cause: str) -> ActivationError:
+        """An ActivationError naming this contribution's plugin, distribution, version and object."""
+        return ActivationError(
+            plugin=self.plugin.name,
+            distribution=self.plugin.distribution,
+            version=self.plugin.version,
+            obj=self.name,
+            cause=cause,
+            concern=self.concern,
+        )
+
 
 def _parse_list(value: str | None) -> frozenset[str] | None:
     if value is None or not value.strip():
@@ -410,14 +421,7 @@ class MilesPluginManager:
                     _traceback(),
                 )
             )
-            raise ActivationError(
-                plugin=record.name,
-                distribution=record.distribution,
-                version=record.version,
-                obj=contribution.name,
-                cause=cause,
-                concern=contribution.concern,
-            ) from exc
+            raise contribution.error(cause) from exc
 
     def record_applied_patch(self, patch: str, classes: Iterable[str]) -> None:
         """Record that ``patch`` was applied and verified on ``classes`` (enters the fingerprint)."""

@@ -3,4 +3,12 @@
 Importing this module must stay cheap: no torch, transformers, ray, megatron or e2b at import.
 """
 
-from miles_core.hookspecs import hookimpl  # noqa: F401
+from __future__ import annotations
+
+from miles_core.hookspecs import hookimpl
+from miles_qwen35.patch import GatedDeltaNetPackingPatch
+
+
+@hookimpl
+def miles_model_patches() -> list[GatedDeltaNetPackingPatch]:
+    return [GatedDeltaNetPackingPatch()]

@@ -3,9 +3,18 @@
 Importing this module must stay cheap: no torch, transformers, ray, megatron or e2b at import.
 """
 
+from __future__ import annotations
+
 from typing import Any
 
+from miles_core.hardware.base import HardwareBackend
 from miles_core.hookspecs import hookimpl
+from miles_rocm.backend import RocmBackend
+
+
+@hookimpl
+def miles_hardware_backends() -> list[HardwareBackend]:
+    return [RocmBackend()]
 
 
 @hookimpl

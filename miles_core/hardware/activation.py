@@ -1,0 +1,141 @@
+"""Activate the hardware concern once per process: select, apply fixes, verify (fail closed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles_core.hardware.base import (
+    ENV_OVERRIDE,
+    WORKER_ROLES,
+    CheckpointIOPolicy,
+    FixReport,
+    HardwareBackend,
+)
+from miles_core.hardware.selection import Selection, select_backend
+from miles_core.plugins import MilesPluginManager, get_plugin_manager
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ActiveHardware:
+    """The selected, applied and verified backend of this process."""
+
+    selection: Selection
+    fixes: tuple[FixReport, ...]
+
+    @property
+    def backend(self) -> HardwareBackend:
+        return self.selection.backend
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def device(self) -> torch.device:
+        """The ``torch.device`` to compute on (the current device index is the caller's)."""
+        import torch
+
+        return torch.device(self.backend.device_type)
+
+    @property
+    def distributed_backend(self) -> str:
+        return self.backend.distributed_backend
+
+    @property
+    def checkpoint_io(self) -> CheckpointIOPolicy:
+        return self.backend.checkpoint_io
+
+    def worker_env(self, role: str) -> dict[str, str]:
+        """Environment for a Ray worker of ``role`` (``runtime_env={"env_vars": ...}``)."""
+        return self.backend.worker_env(role)
+
+    def supports(self, capability: str) -> bool:
+        return self.backend.supports(capability)
+
+    def fix(self, name: str) -> FixReport:
+        """The report of the fix called ``name`` (``KeyError`` if the backend has none)."""
+        for report in self.fixes:
+            if report.name == name:
+                return report
+        raise KeyError(f"hardware backend {self.name!r} has no fix named {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        plugin = self.selection.contribution.plugin
+        return {
+            "backend": self.name,
+            "plugin": plugin.name,
+            "distribution": plugin.distribution,
+            "version": plugin.version,
+            "selected_by": self.selection.selected_by,
+            "reason": self.selection.reason,
+            "device_type": self.backend.device_type,
+            "device_count": self.backend.device_count(),
+            "distributed_backend": self.distributed_backend,
+            "visible_devices_env": self.backend.visible_devices_env,
+            "capabilities": sorted(self.backend.capabilities),
+            "checkpoint_io": {"d2h_copy": self.checkpoint_io.d2h_copy, "reason": self.checkpoint_io.reason},
+            "fixes": {f.name: {"status": f.status, "detail": f.detail} for f in self.fixes},
+            "worker_env": {role: self.worker_env(role) for role in WORKER_ROLES},
+            "ci_hardware": self.backend.ci_hardware,
+        }
+
+
+@dataclass(frozen=True)
+class _Cached:
+    pm: MilesPluginManager
+    override: str | None
+    hardware: ActiveHardware
+
+
+_lock = threading.Lock()
+_cached: _Cached | None = None
+
+
+def activate(pm: MilesPluginManager | None = None) -> ActiveHardware:
+    """Select this process's backend, apply its fixes and verify them; cached per process.
+
+    A later call returns the cached result unless the plugin manager or ``MILES_HARDWARE``
+    changed; then the previous backend's fixes are reverted before the new one is activated.
+    Raises :class:`~miles_core.errors.ActivationError` (naming plugin, distribution, version,
+    backend and cause) if the backend cannot prove its fixes are in effect.
+    """
+    global _cached
+    pm = pm if pm is not None else get_plugin_manager()
+    override = os.environ.get(ENV_OVERRIDE)
+    with _lock:
+        if _cached is not None and _cached.pm is pm and _cached.override == override:
+            return _cached.hardware
+        selection = select_backend(pm)
+        if _cached is not None:
+            _cached.hardware.backend.revert()
+            _cached = None
+        backend = selection.backend
+
+        def establish() -> tuple[FixReport, ...]:
+            try:
+                fixes = tuple(backend.apply())
+                backend.verify()
+            except BaseException:
+                backend.revert()
+                raise
+            return fixes
+
+        fixes = pm.verify(selection.contribution, establish)
+        hardware = ActiveHardware(selection, fixes)
+        _cached = _Cached(pm, override, hardware)
+        return hardware
+
+
+def reset() -> None:
+    """Revert the active backend's fixes and forget it (tests, and code that embeds miles)."""
+    global _cached
+    with _lock:
+        if _cached is not None:
+            _cached.hardware.backend.revert()
+            _cached = None

@@ -1,0 +1,87 @@
+"""``verify()`` of the local provider: run one real sandbox and check what it promised.
+
+The probe creates a sandbox in a scratch root with distinctive limits, then reads the limits
+and network interfaces *from inside it* (``/proc/self/limits``, ``/proc/net/dev``), round-trips
+a file, destroys it and checks nothing is left. Any mismatch raises, naming what differed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_core.sandbox.aio import run_sync
+from miles_core.sandbox.base import Limits, SandboxSpec
+
+PROBE_LIMITS = Limits(cpu_seconds=17, memory_mb=777, file_size_mb=13, processes=37, open_files=123)
+#: /proc/self/limits row -> (Limits field, bytes per unit)
+LIMIT_ROWS = {
+    "Max cpu time": ("cpu_seconds", 1),
+    "Max address space": ("memory_mb", 1 << 20),
+    "Max file size": ("file_size_mb", 1 << 20),
+    "Max processes": ("processes", 1),
+    "Max open files": ("open_files", 1),
+}
+
+
+def probe() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="miles-sandbox-probe-") as root:
+        os.chmod(root, 0o711)  # sandbox uids traverse it to reach their working directory
+        return run_sync(_probe(Path(root)))
+
+
+async def _probe(root: Path) -> dict[str, Any]:
+    from miles_core.sandbox.local.provider import LocalProvider
+
+    started = time.perf_counter()
+    provider = LocalProvider(root / "state")
+    try:
+        ref = await provider.create(SandboxSpec(ttl_s=60, limits=PROBE_LIMITS))
+        try:
+            result = await provider.exec(
+                ref, "cat /proc/self/limits; echo ---; cat /proc/net/dev", timeout=30
+            )
+            if not result.ok:
+                raise RuntimeError(f"probe command failed (exit {result.exit_code}): {result.stderr.strip()}")
+            limits_text, _, net_text = result.stdout.partition("---")
+            enforced = _check_limits(limits_text, provider.capabilities.limits)
+            interfaces = sorted(re.findall(r"^\s*([^\s:]+):", net_text, re.M))
+            if provider.capabilities.network_isolation and interfaces != ["lo"]:
+                raise RuntimeError(f"network isolation claimed but the sandbox sees interfaces {interfaces}")
+            await provider.write_file(ref, "probe/file.txt", b"probe")
+            if await provider.read_file(ref, "probe/file.txt") != b"probe":
+                raise RuntimeError("file written into the sandbox did not read back")
+        finally:
+            await provider.destroy(ref.id)
+        leftovers = await provider.list({})
+        if leftovers or any((root / "state" / "sandboxes").iterdir()):
+            raise RuntimeError(f"destroy left sandbox state behind: {[i.id for i in leftovers]}")
+    finally:
+        await provider.aclose()
+    return {
+        "capabilities": provider.capabilities.to_dict(),
+        "limits_seen_inside": enforced,
+        "interfaces_inside": interfaces,
+        "probe_ms": round((time.perf_counter() - started) * 1000, 1),
+    }
+
+
+def _check_limits(text: str, declared: frozenset[str]) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    for row, (field, unit) in LIMIT_ROWS.items():
+        match = re.search(rf"^{row}\s+(\S+)\s+(\S+)", text, re.M)
+        if match is None or field not in declared:
+            continue
+        expected = getattr(PROBE_LIMITS, field) * unit
+        soft = match.group(1)
+        if soft != str(expected):
+            raise RuntimeError(f"limit {field}: the sandbox sees {soft}, expected {expected}")
+        seen[field] = int(soft) // unit
+    missing = declared - set(seen)
+    if missing:
+        raise RuntimeError(f"declared limits not visible inside the sandbox: {sorted(missing)}")
+    return seen

@@ -1,0 +1,60 @@
+"""Fixtures for miles-qwen35's tests: one torch thread, the plugin registered, packed documents."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import pairwise
+from types import SimpleNamespace
+
+import pytest
+import torch
+from miles_qwen35 import __version__
+from miles_qwen35.coverage import gdn_architectures
+
+from miles_core.patches.packing import packed_position_ids
+from miles_core.plugins import MilesPluginManager
+
+#: every GDN architecture of the installed transformers that this plugin claims
+SUPPORTED = [a.name for a in gdn_architectures() if a.status == "supported"]
+#: documents A, B, C (B crosses a 64-token chunk boundary, C is shorter than nothing interesting)
+LENGTHS = [13, 70, 5]
+#: trailing pad tokens, all at position 0: each is a 1-token segment, as upstream trainers pad
+PAD = 3
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "arch" in metafunc.fixturenames:
+        metafunc.parametrize("arch", SUPPORTED)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads stall small models on the 2-core CI machines
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def qwen_pm(miles_pm: MilesPluginManager) -> MilesPluginManager:
+    import miles_qwen35.plugin
+
+    miles_pm.register(miles_qwen35.plugin, name="miles-qwen35", distribution="miles-qwen35", version=__version__)
+    return miles_pm
+
+
+@pytest.fixture
+def docs() -> SimpleNamespace:
+    """Documents A, B, C packed into one row with trailing padding, and each on its own."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 128, (1, sum(LENGTHS) + PAD), generator=generator)
+    position_ids = torch.cat([packed_position_ids(LENGTHS), torch.zeros(1, PAD, dtype=torch.long)], dim=1)
+    starts = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    return SimpleNamespace(
+        ids=ids,
+        position_ids=position_ids,
+        slices=[slice(a, b) for a, b in pairwise(starts)],
+        alone=[ids[:, a:b] for a, b in pairwise(starts)],
+        labels=torch.randint(0, 128, ids.shape, generator=generator),
+        num_real_tokens=sum(LENGTHS),
+    )

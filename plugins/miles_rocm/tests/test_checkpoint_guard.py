@@ -1,0 +1,155 @@
+"""The async-checkpoint guard under a simulated HIP build, through both writer import paths."""
+
+from __future__ import annotations
+
+import miles_rocm.plugin
+import pytest
+import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+from miles_rocm.checkpoint import WRITER_PATHS, is_guarded, observe_copy_mode, verify_guard, writer_classes
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.hardware import activate
+
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
+
+Writer = filesystem_async.FileSystemWriterAsync
+
+
+def copy_to_host(write_buckets, non_blocking):
+    return [
+        (
+            file_name,
+            key,
+            (bytes_data, [(item, t.to("cpu", non_blocking=non_blocking)) for item, t in tensors]),
+        )
+        for file_name, key, (bytes_data, tensors) in write_buckets
+    ]
+
+
+def not_fixed_preload(write_buckets, non_blocking=True):
+    """What megatron-core 0.16.1 does: the requested (non-blocking) copy, on every platform."""
+    return copy_to_host(write_buckets, non_blocking)
+
+
+def upstream_fixed_preload(write_buckets, non_blocking=True):
+    """What Megatron-LM does since the fix moved upstream: blocking copies on HIP."""
+    if torch.version.hip:
+        non_blocking = False
+    return copy_to_host(write_buckets, non_blocking)
+
+
+@pytest.fixture
+def hip_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.4.43484")
+
+
+@pytest.fixture
+def rocm(miles_pm_factory, monkeypatch):
+    """Activate the ROCm backend (by override: this machine has no AMD GPU)."""
+    monkeypatch.setenv("MILES_HARDWARE", "rocm")
+    pm = miles_pm_factory(plugins=[("miles-rocm", miles_rocm.plugin)], builtins=True)
+    return lambda: activate(pm)
+
+
+def modes_through_both_paths() -> list[str]:
+    return [observe_copy_mode(cls) for cls in writer_classes().values()]
+
+
+def test_both_paths_name_the_writer() -> None:
+    assert WRITER_PATHS == (
+        "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
+        "megatron.core.dist_checkpointing.strategies.torch.FileSystemWriterAsync",
+    )
+    assert torch_strategy.FileSystemWriterAsync is Writer
+
+
+def test_not_fixed_writer_gets_the_fallback_on_the_class(hip_build, rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+    assert modes_through_both_paths() == ["pinned-non-blocking"] * 2
+
+    hardware = rocm()
+    report = hardware.fix("checkpoint-guard")
+    assert report.status == "fallback"
+    assert "FileSystemWriterAsync" in report.detail
+    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+    assert is_guarded(filesystem_async.FileSystemWriterAsync) and is_guarded(
+        torch_strategy.FileSystemWriterAsync
+    )
+
+    tensor = torch.arange(4.0)
+    [(_, _, (_, [(_, copied)]))] = Writer.preload_tensors([("f", "k", ([], [("item", tensor)]))], True)
+    assert torch.equal(copied, tensor), "the guard forwards the data unchanged"
+
+
+def test_removing_the_fallback_brings_the_unsafe_copy_back(hip_build, rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+    rocm().backend.revert()  # negative control: the check must see the guard gone
+    assert Writer.__dict__["preload_tensors"].__func__ is not_fixed_preload
+    with pytest.raises(
+        RuntimeError,
+        match=r"strategies.filesystem_async.FileSystemWriterAsync copies .* as pinned-non-blocking",
+    ):
+        verify_guard()
+
+
+def test_upstream_fixed_writer_is_left_alone(hip_build, rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(upstream_fixed_preload))
+    hardware = rocm()
+    assert hardware.fix("checkpoint-guard").status == "upstream"
+    assert Writer.__dict__["preload_tensors"].__func__ is upstream_fixed_preload
+    assert not is_guarded(Writer)
+    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+
+
+def test_the_installed_megatron_is_guarded_either_way(hip_build, rocm) -> None:
+    before = observe_copy_mode(Writer)
+    status = rocm().fix("checkpoint-guard").status
+    assert status == ("upstream" if before == "pageable-blocking" else "fallback")
+    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+    verify_guard()
+
+
+def test_a_writer_rebound_in_one_module_is_caught_through_that_path(hip_build, rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+    rocm()
+
+    class RebindingWriter(Writer):  # what upstream's workaround did, in one module only
+        preload_tensors = staticmethod(not_fixed_preload)
+
+    monkeypatch.setattr(torch_strategy, "FileSystemWriterAsync", RebindingWriter)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^megatron\.core\.dist_checkpointing\.strategies\.torch\.FileSystemWriterAsync copies",
+    ):
+        verify_guard()
+
+
+def test_activation_guards_a_rebound_subclass_too(hip_build, rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+
+    class RebindingWriter(Writer):
+        preload_tensors = staticmethod(not_fixed_preload)
+
+    monkeypatch.setattr(torch_strategy, "FileSystemWriterAsync", RebindingWriter)
+    detail = rocm().fix("checkpoint-guard").detail
+    assert "filesystem_async.FileSystemWriterAsync" in detail and "RebindingWriter" in detail
+    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+
+
+def test_reactivation_does_not_wrap_twice(hip_build, rocm, miles_pm_factory, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+    rocm()
+    other = miles_pm_factory(plugins=[("miles-rocm", miles_rocm.plugin)], builtins=True)
+    assert activate(other).fix("checkpoint-guard").status == "fallback"
+    assert Writer.preload_tensors.__wrapped__ is not_fixed_preload
+
+
+def test_the_guard_does_nothing_on_a_build_that_is_not_hip(rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+    rocm()
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(kw) or self.clone())
+    Writer.preload_tensors([("f", "k", ([], [("item", torch.ones(1))]))], True)
+    assert calls == [{"non_blocking": True}]

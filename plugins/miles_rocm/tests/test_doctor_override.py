@@ -1,0 +1,38 @@
+"""``MILES_HARDWARE=rocm miles doctor --json`` on a CPU machine: rocm by override, guard status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from miles_rocm.checkpoint import observe_copy_mode
+
+from miles_core.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
+
+
+def test_doctor_reports_rocm_by_override_and_the_guard_status() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_core", "doctor", "--json"],
+        env={**os.environ, "MILES_HARDWARE": "rocm"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    hardware = {r["item"]: r for r in json.loads(proc.stdout)["results"] if r["concern"] == "hardware"}
+    backend = hardware["backend"]
+    assert backend["status"] == "ok", backend["detail"]
+    assert (backend["data"]["backend"], backend["data"]["plugin"]) == ("rocm", "miles-rocm")
+    assert backend["data"]["selected_by"] == "override"
+    assert backend["data"]["reason"].startswith("MILES_HARDWARE=rocm (detection: ")
+    assert backend["data"]["worker_env"]["train"]["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] == "1"
+
+    expected = "upstream" if observe_copy_mode(FileSystemWriterAsync) == "pageable-blocking" else "fallback"
+    guard = hardware["checkpoint-guard"]
+    assert (guard["status"], guard["data"]["status"]) == ("ok", expected)
+    assert backend["data"]["fixes"]["checkpoint-guard"]["status"] == expected
+    assert hardware["ci-hardware"]["detail"] == "rocm (marker miles_rocm.ci:register_rocm_ci)"

@@ -1,0 +1,124 @@
+"""The cpu backend makes megatron-core run on CPU: a tiny GPTModel trains through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.errors import ActivationError, MilesError
+from miles_core.hardware import activate, reset
+from miles_core.hardware.cpu import CpuBackend
+from miles_core.hardware.megatron_state import causal_attention_mask, single_rank_parallel_state
+
+pytest.importorskip("megatron.core")
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import GlobalMemoryBuffer
+
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
+
+SEQ, BATCH, VOCAB = 8, 2, 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def train_step(seed: int, mtp_num_layers: int | None = None) -> tuple[float, GPTModel]:
+    """One forward+backward of a tiny GPTModel with dropout (so the RNG tracker forks)."""
+    with single_rank_parallel_state(seed=seed) as hw:
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            use_cpu_initialization=True,
+            attention_dropout=0.1,
+            hidden_dropout=0.1,
+            mtp_num_layers=mtp_num_layers,
+        )
+        layer_spec = get_gpt_layer_local_spec()
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            mtp_block_spec=(
+                get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+                if mtp_num_layers
+                else None
+            ),
+        ).to(hw.device)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        loss = model(tokens, positions, causal_attention_mask(SEQ, hw.device), labels=tokens.roll(-1, 1))
+        loss.mean().backward()
+        return loss.mean().item(), model
+
+
+@pytest.mark.parametrize("mtp_num_layers", [None, 1], ids=["gpt", "gpt+mtp"])
+def test_tiny_gpt_model_trains_on_cpu_through_the_backend(miles_pm_factory, mtp_num_layers) -> None:
+    hardware = activate(miles_pm_factory(builtins=True))
+    assert hardware.name == "cpu"
+    assert hardware.fix("megatron-cpu").status == "applied"
+
+    loss, model = train_step(seed=3, mtp_num_layers=mtp_num_layers)
+    params = list(model.parameters())
+    assert all(p.device.type == "cpu" for p in params)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+    assert any(p.grad.abs().sum() > 0 for p in params)
+    assert torch.isfinite(torch.tensor(loss))
+    assert train_step(seed=3, mtp_num_layers=mtp_num_layers)[0] == loss, "the helper seeds every generator"
+    assert train_step(seed=4, mtp_num_layers=mtp_num_layers)[0] != loss
+    assert not parallel_state.model_parallel_is_initialized()
+    assert not torch.distributed.is_initialized()
+
+
+def test_without_the_fixes_megatron_cannot_run_on_cpu(miles_pm_factory) -> None:
+    activate(miles_pm_factory(builtins=True))
+    reset()  # reverts the fixes: the negative control
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        GlobalMemoryBuffer().get_tensor((2,), torch.float32, "probe")
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        megatron_random.CudaRNGStatesTracker().add("probe", 1)
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        torch.cuda.synchronize()
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        CpuBackend().verify()
+
+
+def test_verification_notices_a_fix_undone_behind_its_back(miles_pm_factory, monkeypatch) -> None:
+    megatrons_fork = megatron_random.CudaRNGStatesTracker.__dict__["fork"]
+    pm = miles_pm_factory(builtins=True)
+    hardware = activate(pm)
+    with monkeypatch.context() as patch:
+        patch.setattr(megatron_random.CudaRNGStatesTracker, "fork", megatrons_fork)
+        with pytest.raises(
+            ActivationError,
+            match=r"'core-hardware' \(miles .*\): hardware 'cpu' failed verification: AssertionError: Torch not compiled with CUDA",
+        ):
+            pm.verify(hardware.selection.contribution, hardware.backend.verify)
+
+
+def test_fixes_are_not_needed_without_megatron(monkeypatch) -> None:
+    monkeypatch.setattr("miles_core.hardware.megatron_cpu.megatron_installed", lambda: False)
+    backend = CpuBackend()
+    assert [(r.name, r.status) for r in backend.apply()] == [("megatron-cpu", "not-needed")]
+    with pytest.raises(AssertionError):
+        torch.cuda.current_device()
+
+
+def test_the_parallel_state_helper_refuses_to_nest(miles_pm_factory) -> None:
+    activate(miles_pm_factory(builtins=True))
+    with (
+        single_rank_parallel_state(),
+        pytest.raises(MilesError, match="already initialised"),
+        single_rank_parallel_state(),
+    ):
+        pass
+    assert not parallel_state.model_parallel_is_initialized()

@@ -1,0 +1,23 @@
+"""The provider conformance suite, run against the built-in local provider."""
+
+from __future__ import annotations
+
+import getpass
+from pathlib import Path
+
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.sandbox.local.provider import LocalProvider
+from miles_core.testing.sandbox import ProviderConformance, ProviderFactory
+
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
+
+
+class TestLocalConformance(ProviderConformance):
+    base_image = "host"
+    build_user = getpass.getuser()
+
+    @pytest.fixture
+    def provider_factory(self, sandbox_root: Path) -> ProviderFactory:
+        return lambda: LocalProvider(sandbox_root)

@@ -1,0 +1,90 @@
+"""SIGKILL of the owning process: beats stop, and the local provider's TTL reclaims its
+sandboxes -- directories, uids and every process started in them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.sandbox.local.isolation import sandbox_processes
+from miles_core.sandbox.local.store import Store
+
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
+
+TTL = 2.0
+OWNER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from miles_core.sandbox.base import SandboxSpec
+    from miles_core.sandbox.lifecycle import SandboxManager
+    from miles_core.sandbox.local.provider import LocalProvider
+
+    async def main():
+        provider = LocalProvider(sys.argv[1])
+        manager = SandboxManager(provider)
+        boxes = [await manager.create(SandboxSpec(ttl_s=float(sys.argv[2]))) for _ in range(3)]
+        for box in boxes:
+            await box.exec(["sleep", "600"], background=True)
+        client = await provider._client()
+        print(json.dumps({"ids": [b.id for b in boxes], "supervisor": client.pid}), flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(f"/proc/{entry.name}/status").read_text()
+            except OSError:
+                continue
+            real_uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
+            if int(real_uid) == uid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(sandbox_root), str(TTL)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        started = json.loads(owner.stdout.readline())  # type: ignore[union-attr]
+        store = Store(sandbox_root)
+        ids = started["ids"]
+        metas = {m.id: m for m in store.metas()}
+        assert set(metas) == set(ids)
+        assert all(sandbox_processes(sid) for sid in ids), {sid: sandbox_processes(sid) for sid in ids}
+        time.sleep(2 * TTL)  # past the TTL: only the owner's keepalive keeps them
+        assert {m.id for m in store.metas()} == set(ids), "keepalive did not hold the sandboxes"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        killed_at = time.monotonic()
+        while store.metas():
+            assert time.monotonic() - killed_at < TTL + 10, "the TTL did not reclaim the sandboxes"
+            time.sleep(0.1)
+        for sid in ids:
+            assert sandbox_processes(sid) == [], f"processes of {sid} survived"
+            assert not store.sandbox_dir(sid).exists()
+        for meta in metas.values():
+            if meta.uid is not None:
+                assert _pids_of_uid(meta.uid) == [], f"uid {meta.uid} of {meta.id} still has processes"
+        assert list(store.uids.iterdir()) == []
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{started['supervisor']}").exists():  # it exits once idle
+            assert time.monotonic() < deadline, "the supervisor did not exit after reclaiming"
+            time.sleep(0.1)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
