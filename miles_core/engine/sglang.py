@@ -14,17 +14,21 @@ SGLang itself cannot serve on the CPU development machines and has not been run 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from miles_core.errors import ConfigError, MilesError
+
+T = TypeVar("T")
 
 
 class SGLangError(MilesError):
@@ -130,56 +134,55 @@ class SGLangServer:
         return self._base_url
 
     def wait_until_healthy(self, timeout: float) -> None:
-        import httpx
+        from miles_core.engine.client import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 
         deadline = time.monotonic() + timeout
         last = "no answer yet"
-        with httpx.Client(base_url=self._base_url, timeout=5.0) as client:
-            while True:
-                if self.process is not None and self.process.poll() is not None:
-                    raise SGLangError(
-                        f"sglang exited with code {self.process.returncode} before becoming healthy; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    response = client.get("/health")
-                    if response.status_code == 200:
-                        return
-                    last = f"HTTP {response.status_code}"
-                except httpx.TransportError as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                if time.monotonic() > deadline:
-                    raise SGLangError(f"sglang at {self._base_url} not healthy after {timeout:.0f}s (last: {last})")
-                time.sleep(0.2)
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise SGLangError(
+                    f"sglang exited with code {self.process.returncode} before becoming healthy; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                self._call(lambda client: client.health(), timeout=5.0, connect_retries=0)
+                return
+            except EngineHTTPError as exc:
+                last = f"HTTP {exc.status_code}"
+            except (EngineConnectionError, EngineTimeoutError) as exc:
+                last = exc.detail
+            if time.monotonic() > deadline:
+                raise SGLangError(f"sglang at {self._base_url} not healthy after {timeout:.0f}s (last: {last})")
+            time.sleep(0.2)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """POST ``/update_weights_from_disk``; return the server's weight version afterwards."""
-        body: dict[str, Any] = {"model_path": str(model_path)}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        result = self._post("/update_weights_from_disk", body)
-        if not result.get("success"):
-            raise SGLangError(f"sglang refused the weight update from {model_path}: {result.get('message')}")
+        from miles_core.engine.client import EngineHTTPError
+
+        try:
+            self._call(lambda client: client.update_weights_from_disk(str(model_path), weight_version))
+        except EngineHTTPError as exc:
+            raise SGLangError(f"sglang refused the weight update from {model_path}: {exc.body_snippet}") from exc
         return self.weight_version()
 
     def weight_version(self) -> str:
-        import httpx
+        return self._call(lambda client: client.weight_version())
 
-        with httpx.Client(base_url=self._base_url, timeout=self.config.request_timeout) as client:
-            response = client.get("/get_weight_version")
-        if response.status_code != 200:
-            raise SGLangError(f"sglang GET /get_weight_version answered HTTP {response.status_code}: {response.text[:500]}")
-        return str(response.json()["weight_version"])
+    def _call(self, request: Callable[[Any], Awaitable[T]], *, timeout: float | None = None, connect_retries: int = 2) -> T:
+        """Run one :class:`~miles_core.engine.client.EngineClient` call to completion.
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import httpx
+        These methods are synchronous (launch scripts, the trainer's step loop); do not call them
+        from a running event loop.
+        """
+        from miles_core.engine.client import EngineClient
 
-        with httpx.Client(base_url=self._base_url, timeout=self.config.request_timeout) as client:
-            response = client.post(path, json=body)
-        try:
-            return response.json()
-        except ValueError:
-            raise SGLangError(f"sglang POST {path} answered HTTP {response.status_code}: {response.text[:500]}") from None
+        async def run() -> T:
+            async with EngineClient(
+                self._base_url, timeout=timeout or self.config.request_timeout, connect_retries=connect_retries, pool_shards=1
+            ) as client:
+                return await request(client)
+
+        return asyncio.run(run())
 
     def shutdown(self) -> None:
         """Stop a launched server and every process it spawned; attached servers are left alone."""
