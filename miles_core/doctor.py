@@ -24,6 +24,7 @@ CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("sandbox", "miles_core.sandbox.doctor:check"),
     ("ci", "miles_core.ci.doctor:check"),
     ("session", "miles_core.session.doctor:check"),
+    ("engine", "miles_core.engine.doctor:check"),
 )
 
 

@@ -21,6 +21,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("miles_core.sandbox.cli:sandbox", "Sandbox providers: list them, run a command, sweep orphans."),
     "ci": ("miles_core.ci.cli:ci", "CI: test registrations, suites, sharding, runner, workflows."),
     "session": ("miles_core.session.cli:session", "Serve the token-in-token-out session server."),
+    "engine": ("miles_core.engine.cli:engine", "Serve the embedded inference engine; list and build model presets."),
 }
 
 

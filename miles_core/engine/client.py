@@ -129,6 +129,33 @@ class EngineClient:
         response = await self._send("GET", self._health_url)
         return _json_object(response) if response.content.strip() else {}
 
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
+        """``POST /update_weights_from_disk`` with SGLang's body; the reply, whose ``success`` is true.
+
+        The engine finishes the requests it is running first, so this can take as long as they
+        do. A refusal (SGLang and the embedded engine answer 400 with their reason) raises
+        :class:`EngineHTTPError`; a 2xx reply without ``"success": true`` raises
+        :class:`EngineProtocolError`.
+        """
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        url = httpx.URL(f"{self.base_url}/update_weights_from_disk")
+        response = await self._send("POST", url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        reply = _json_object(response)
+        if reply.get("success") is not True:
+            raise EngineProtocolError(f"weight update answered without success: {snippet(response.content, 256)}", url=str(url))
+        return reply
+
+    async def weight_version(self) -> str:
+        """``GET /get_weight_version``: the version of the weights the engine serves now."""
+        url = httpx.URL(f"{self.base_url}/get_weight_version")
+        reply = _json_object(await self._send("GET", url))
+        version = reply.get("weight_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool):
+            raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=str(url))
+        return str(version)
+
     async def aclose(self) -> None:
         for transport in self._transports:
             await transport.aclose()

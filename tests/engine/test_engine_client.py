@@ -149,3 +149,45 @@ def test_against_a_real_socket() -> None:
 
     with pytest.raises(EngineConnectionError, match="after 2 attempt"):
         _run(refused())
+
+
+def test_weight_update_and_version_against_the_embedded_engine(tiny_dir, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from miles_core.engine.engine import Engine, EngineConfig
+    from miles_core.engine.server import EmbeddedServer
+
+    async def scenario(url: str) -> tuple[dict, str, EngineHTTPError]:
+        async with EngineClient(url) as client:
+            reply = await client.update_weights_from_disk(str(tmp_path), "step-1")
+            version = await client.weight_version()
+            with pytest.raises(EngineHTTPError) as refused:
+                await client.update_weights_from_disk(str(tmp_path / "missing"), "step-2")
+            return reply, version, refused.value
+
+    with EmbeddedServer(Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=1))) as server:
+        server.start()
+        weights = {n: p.detach().clone().contiguous() for n, p in server.engine.model.named_parameters()}
+        save_file(weights, str(tmp_path / "model.safetensors"))
+        reply, version, refused = _run(scenario(server.base_url))
+        assert server.engine.weight_version == "step-1"
+    assert reply["success"] is True and version == "step-1"
+    assert refused.status_code == 400 and "model_path" in refused.body_snippet
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [("/update_weights_from_disk", {"success": False, "message": "no"}, "without success"),
+     ("/get_weight_version", {"version": "1"}, "no weight_version")],
+)
+def test_weight_replies_that_break_the_contract_are_protocol_errors(path: str, body: dict, message: str) -> None:
+    client = _client(lambda request: httpx.Response(200, json=body))
+
+    async def call():
+        async with client:
+            if path == "/get_weight_version":
+                return await client.weight_version()
+            return await client.update_weights_from_disk("/ckpt")
+
+    with pytest.raises(EngineProtocolError, match=message):
+        _run(call())
