@@ -19,7 +19,7 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 PLUGINS = ["miles_rocm", "miles_e2b", "miles_qwen35", "miles_mtp"]
-ALL_LOCAL = ["-e", ".[dev,megatron]", *[arg for p in PLUGINS for arg in ("-e", f"plugins/{p}")]]
+ALL_LOCAL = ["-e", ".[dev,engine,megatron]", *[arg for p in PLUGINS for arg in ("-e", f"plugins/{p}")]]
 
 
 def _version(init_file: Path) -> str:

@@ -23,6 +23,8 @@ CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("patches", "miles_core.patches.doctor:check"),
     ("sandbox", "miles_core.sandbox.doctor:check"),
     ("ci", "miles_core.ci.doctor:check"),
+    ("session", "miles_core.session.doctor:check"),
+    ("engine", "miles_core.engine.doctor:check"),
     ("train", "miles_core.rl.doctor:check"),
 )
 

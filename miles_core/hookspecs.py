@@ -27,7 +27,7 @@ Rules every implementation follows:
 
 The object protocols live next to each concern: :mod:`miles_core.hardware.base`,
 :mod:`miles_core.patches.base`, :mod:`miles_core.session.base`, :mod:`miles_core.sandbox.base`,
-:mod:`miles_core.ci.base` and :mod:`miles_core.rl.tasks`.
+:mod:`miles_core.ci.base`, :mod:`miles_core.engine.base` and :mod:`miles_core.rl.tasks`.
 """
 
 from __future__ import annotations
@@ -125,6 +125,21 @@ def miles_tasks() -> Sequence[Any]:
     Called: by ``miles plugins list`` and by ``miles train`` when it resolves the configured task.
 
     Returns: a list of task objects (prompt source, reward function, optional greedy metric).
+    """
+
+
+@hookspec
+def miles_inference_engines() -> Sequence[Any]:
+    """Inference engines (:class:`miles_core.engine.base.EngineKind`).
+
+    Called: by ``miles plugins list``, ``miles doctor`` and when an engine is launched
+    (``miles engine serve``, the rollout side of ``miles train``).
+
+    Returns: a list of engine kinds (built-ins: ``embedded`` and ``sglang``). Each names a
+    launcher (``"module:callable"``, imported only when launched) that returns a running server
+    speaking the engine HTTP contract, and a check. ``verify()`` proves the engine works on this
+    machine: the embedded engine generates with its tiny preset and compares the log-probs to a
+    teacher-forced forward.
     """
 
 

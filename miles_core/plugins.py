@@ -51,6 +51,7 @@ CONCERN_HOOKS: dict[str, str] = {
     "sandbox": "miles_sandbox_providers",
     "ci": "miles_ci_hardware",
     "tasks": "miles_tasks",
+    "engine": "miles_inference_engines",
 }
 
 Stage = Literal["import", "register", "hook", "verify", "conflict"]

@@ -1,0 +1,154 @@
+"""The engine concern's data types and protocols (importable without torch).
+
+One upstream contract, two implementations: the embedded engine (:mod:`miles_core.engine.engine`,
+served over HTTP by :mod:`miles_core.engine.server`) and an SGLang server driven by
+:mod:`miles_core.engine.sglang`. Both are contributed through the ``miles_inference_engines``
+hook as :class:`EngineKind` descriptors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from miles_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+FinishReason = Literal["stop", "length"]
+
+
+class InvalidRequestError(ConfigError):
+    """A request (or engine setting) that breaks a rule; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.reason = message
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one completion is sampled. ``temperature == 0`` is greedy decoding.
+
+    ``top_k <= 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a completion
+    reproducible whether it runs alone or batched with others; ``None`` lets the engine draw one
+    from its own seeded generator.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1", self.max_tokens)
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0", self.temperature)
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int), "top_k", "must be an integer (<= 0 disables it)", self.top_k)
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)", self.seed)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be integers >= 0", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A tokenized prompt and how to continue it."""
+
+    input_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the engine generated for one request, token-exact.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the distribution it was sampled
+    from (after temperature, top-k and top-p; for greedy decoding, the unmodified model
+    distribution). ``weight_version`` names the weights that produced every token.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    matched_stop: int | str | None
+    weight_version: str
+    seed: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@runtime_checkable
+class EngineServer(Protocol):
+    """A running upstream that speaks the engine HTTP contract (embedded or SGLang)."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    def wait_until_healthy(self, timeout: float) -> None: ...
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """An engine implementation contributed through ``miles_inference_engines``.
+
+    ``launcher`` is ``"module:callable"``; the callable takes keyword options and returns an
+    :class:`EngineServer`. It is imported only when the engine is launched. ``check`` is
+    ``"module:callable"`` too: it proves the implementation works on this machine (raises if not).
+    """
+
+    name: str
+    description: str
+    launcher: str
+    check: str
+
+    def launch(self, **options: Any) -> EngineServer:
+        from miles_core.plugins import import_object
+
+        return import_object(self.launcher)(**options)
+
+    def verify(self) -> Any:
+        from miles_core.plugins import import_object
+
+        return import_object(self.check)()
+
+
+def require_model_dir(path: str | Path) -> Path:
+    """``path`` as a Hugging Face model directory, or a :class:`ConfigError` saying what is missing."""
+    from pathlib import Path  # not at module level: plugin discovery imports this module
+
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{directory}: not a model directory (config.json is missing)")
+    return directory
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise InvalidRequestError(name, f"{rule}, got {value!r}")

@@ -1,0 +1,223 @@
+"""Async HTTP client of an SGLang-compatible inference engine.
+
+One client serves the session server (its upstream) and the RL loop. It retries only failures
+that prove the request never reached the engine (the TCP connection could not be established);
+anything after that -- a read timeout, a reset, a malformed reply -- is raised at once as a typed
+:class:`EngineError`, because the engine may already have generated (and a retry would sample
+again).
+
+    async with EngineClient("http://127.0.0.1:30000", timeout=600) as engine:
+        reply = await engine.chat_completions({"messages": [...], "input_ids": [...]},
+                                              routing_key=session_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from miles_core import __version__, strict_json
+from miles_core.errors import MilesError
+
+#: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+#: how much of an error reply body an exception carries
+SNIPPET_CHARS = 512
+
+
+class EngineError(MilesError):
+    """Base class: the engine could not be reached or did not answer as the contract says."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(f"{message} ({url})")
+        self.detail = message
+        self.url = url
+
+
+class EngineConnectionError(EngineError):
+    """No connection could be made, or the connection broke before a complete reply."""
+
+
+class EngineTimeoutError(EngineError):
+    """The engine did not answer within the configured timeout."""
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with a non-2xx status; ``body_snippet`` is the start of its body."""
+
+    def __init__(self, status_code: int, body_snippet: str, *, url: str) -> None:
+        super().__init__(f"engine answered HTTP {status_code}: {body_snippet}", url=url)
+        self.status_code = status_code
+        self.body_snippet = body_snippet
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered 2xx with a body that is not the JSON object the contract promises."""
+
+
+def snippet(data: bytes | str, limit: int = SNIPPET_CHARS) -> str:
+    """The first ``limit`` characters of ``data`` (decoded leniently), marked when cut."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more chars)"
+
+
+class EngineClient:
+    """Async client of one engine base URL (``http://host:port``, without ``/v1``).
+
+    ``timeout`` bounds each read, write and wait for a pooled connection; ``connect_timeout``
+    bounds establishing a connection, which is retried ``connect_retries`` times with exponential
+    backoff starting at ``retry_backoff`` seconds. ``headers`` are sent with every request.
+    ``transport`` replaces the network transport (tests).
+
+    It drives httpx transports directly: one engine needs none of ``httpx.AsyncClient``'s
+    cookies, redirects or auth flows, and skipping them saves ~0.3 ms of CPU per call on the
+    session server's hot path. Connections are spread over ``pool_shards`` pools, picked by
+    routing key (so a session keeps its connections) or round-robin: httpcore's pool scans all
+    of its connections for every request it assigns, which at 64 concurrent requests in one pool
+    cost more CPU than everything else the session server does per turn.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        connect_retries: int = 2,
+        retry_backoff: float = 0.05,
+        headers: Mapping[str, str] | None = None,
+        max_connections: int = 1024,
+        pool_shards: int = 16,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if connect_retries < 0:
+            raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.connect_retries = connect_retries
+        self.retry_backoff = retry_backoff
+        self._headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
+        self._timeout = httpx.Timeout(timeout, connect=connect_timeout).as_dict()
+        if transport is not None:
+            self._transports: list[httpx.AsyncBaseTransport] = [transport]
+        else:
+            per_shard = max(1, -(-max_connections // pool_shards))
+            limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+            tls = httpx.create_ssl_context()  # one for all shards: each costs ~25 ms to build
+            self._transports = [
+                httpx.AsyncHTTPTransport(limits=limits, verify=tls) for _ in range(max(1, pool_shards))
+            ]
+        self._next_shard = itertools.count()
+        self._chat_url = httpx.URL(f"{self.base_url}/v1/chat/completions")
+        self._health_url = httpx.URL(f"{self.base_url}/health")
+
+    async def chat_completions(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> dict[str, Any]:
+        """``POST /v1/chat/completions``; the reply as a JSON object (not validated further)."""
+        headers = {"content-type": "application/json"}
+        if routing_key is not None:
+            headers[ROUTING_KEY_HEADER] = routing_key
+        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        response = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
+        return _json_object(response)
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""
+        response = await self._send("GET", self._health_url)
+        return _json_object(response) if response.content.strip() else {}
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
+        """``POST /update_weights_from_disk`` with SGLang's body; the reply, whose ``success`` is true.
+
+        The engine finishes the requests it is running first, so this can take as long as they
+        do. A refusal (SGLang and the embedded engine answer 400 with their reason) raises
+        :class:`EngineHTTPError`; a 2xx reply without ``"success": true`` raises
+        :class:`EngineProtocolError`.
+        """
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        url = httpx.URL(f"{self.base_url}/update_weights_from_disk")
+        response = await self._send("POST", url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        reply = _json_object(response)
+        if reply.get("success") is not True:
+            raise EngineProtocolError(f"weight update answered without success: {snippet(response.content, 256)}", url=str(url))
+        return reply
+
+    async def weight_version(self) -> str:
+        """``GET /get_weight_version``: the version of the weights the engine serves now."""
+        url = httpx.URL(f"{self.base_url}/get_weight_version")
+        reply = _json_object(await self._send("GET", url))
+        version = reply.get("weight_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool):
+            raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=str(url))
+        return str(version)
+
+    async def aclose(self) -> None:
+        for transport in self._transports:
+            await transport.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _send(
+        self,
+        method: str,
+        url: httpx.URL,
+        *,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        shard_key: str | None = None,
+    ) -> httpx.Response:
+        index = hash(shard_key) if shard_key is not None else next(self._next_shard)
+        transport = self._transports[index % len(self._transports)]
+        request = httpx.Request(
+            method, url, headers={**self._headers, **(headers or {})}, content=content, extensions={"timeout": self._timeout}
+        )
+        attempt = 0
+        while True:
+            try:
+                response = await transport.handle_async_request(request)
+                response.request = request
+                await response.aread()
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the engine: the only failure that is safe to retry.
+                if attempt >= self.connect_retries:
+                    kind = EngineTimeoutError if isinstance(exc, httpx.ConnectTimeout) else EngineConnectionError
+                    raise kind(
+                        f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=str(url)
+                    ) from exc
+                await asyncio.sleep(self.retry_backoff * 2**attempt)
+                attempt += 1
+            except httpx.TimeoutException as exc:
+                raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=str(url)) from exc
+            except httpx.TransportError as exc:
+                raise EngineConnectionError(f"connection to the engine failed: {_describe(exc)}", url=str(url)) from exc
+        if not 200 <= response.status_code < 300:
+            raise EngineHTTPError(response.status_code, snippet(response.content), url=str(url))
+        return response
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    url = str(response.request.url)
+    try:
+        data = strict_json.loads(response.content)
+    except ValueError as exc:
+        raise EngineProtocolError(
+            f"engine reply is not valid JSON ({_describe(exc)}): {snippet(response.content, 128)}", url=url
+        ) from exc
+    if not isinstance(data, dict):
+        raise EngineProtocolError(f"engine reply is JSON {type(data).__name__}, expected an object", url=url)
+    return data
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {snippet(text, 200)}" if text else type(exc).__name__

@@ -1,0 +1,203 @@
+"""Per-sequence model state for continuous batching: attention KV plus linear-attention states.
+
+:class:`SlotStore` keeps the state of up to ``max_slots`` sequences in preallocated tensors whose
+first dimension is the slot. Active sequences always occupy rows ``[0, n)``: a decode step works
+on plain views (no gather), a finished sequence is removed by moving the last row into its place.
+
+* attention layers: ``K``/``V`` of shape ``[slots, kv_heads, capacity, head_dim]``; row ``r``
+  holds its first ``length[r]`` positions. Capacity grows by doubling.
+* linear-attention (Gated DeltaNet) layers: the causal-conv window ``[slots, channels, kernel]``
+  and the recurrent state ``[slots, heads, k_dim, v_dim]``.
+
+:class:`StepCache` is the ``transformers`` cache object handed to one forward pass. It speaks
+the interface the Hugging Face modeling code calls (``update`` for attention,
+``get/update_conv_state`` and ``get/update_recurrent_state`` for linear attention) and maps
+it onto the rows of the store. A forward is either a *prefill* of one row (its whole prompt) or
+a *decode* of rows ``[0, n)`` (one token each). Masks and positions are built here too, so the
+model never derives them from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+SUPPORTED_LAYER_TYPES = frozenset({LINEAR_ATTENTION, FULL_ATTENTION})
+
+
+class SlotStore:
+    """The state tensors of every active sequence, one row per sequence."""
+
+    def __init__(self, max_slots: int, *, initial_capacity: int = 256) -> None:
+        self.max_slots = max_slots
+        self.capacity = initial_capacity
+        self.lengths: list[int] = []  # tokens stored per active row
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self.lengths)
+
+    # -- row management ---------------------------------------------------------------------
+
+    def add_row(self) -> int:
+        if self.active >= self.max_slots:
+            raise RuntimeError(f"all {self.max_slots} slots are in use")
+        self.lengths.append(0)
+        return self.active - 1
+
+    def copy_row(self, source: int, target: int) -> None:
+        """Make ``target`` hold the same sequence state as ``source``."""
+        n = self.lengths[source]
+        for store in (self.keys, self.values):
+            for t in store.values():
+                t[target, :, :n] = t[source, :, :n]
+        for store in (self.conv, self.recurrent):
+            for t in store.values():
+                t[target] = t[source]
+        self.lengths[target] = n
+
+    def remove_row(self, row: int) -> None:
+        """Drop ``row``; the last row moves into its place (callers mirror the move)."""
+        last = self.active - 1
+        if row != last:
+            self.copy_row(last, row)
+        self.lengths.pop()
+
+    def clear(self) -> None:
+        self.lengths.clear()
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                grown = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+                grown[:, :, : self.capacity] = t
+                store[layer] = grown
+        self.capacity = capacity
+
+    # -- lazily allocated tensors -----------------------------------------------------------
+
+    def _kv(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self.keys:
+            shape = (self.max_slots, like.shape[1], self.capacity, like.shape[3])
+            self.keys[layer] = like.new_zeros(shape)
+            self.values[layer] = like.new_zeros(shape)
+        return self.keys[layer], self.values[layer]
+
+    def _state(self, store: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
+        if layer not in store:
+            store[layer] = like.new_zeros((self.max_slots, *like.shape[1:]))
+        return store[layer]
+
+
+class StepCache(Cache):
+    """The cache object of one forward pass over rows of a :class:`SlotStore`."""
+
+    def __init__(self, store: SlotStore, *, prefill_row: int | None, query_len: int) -> None:
+        super().__init__(layers=[])
+        self.store = store
+        self.prefill_row = prefill_row
+        self.query_len = query_len
+        self.rows = 1 if prefill_row is not None else store.active
+        self._arange: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+
+    # -- attention layers -------------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.store._kv(layer_idx, key_states)
+        if self.prefill_row is not None:
+            r, q = self.prefill_row, self.query_len
+            keys[r, :, :q] = key_states[0]
+            values[r, :, :q] = value_states[0]
+            return keys[r : r + 1, :, :q], values[r : r + 1, :, :q]
+        rows, positions = self._decode_index(key_states.device)
+        keys[rows, :, positions] = key_states[:, :, 0]
+        values[rows, :, positions] = value_states[:, :, 0]
+        span = max(self.store.lengths[: self.rows]) + 1
+        return keys[: self.rows, :, :span], values[: self.rows, :, :span]
+
+    def _decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._positions is None:
+            self._arange = torch.arange(self.rows, device=device)
+            self._positions = torch.tensor(self.store.lengths[: self.rows], device=device)
+        return self._arange, self._positions
+
+    # -- linear-attention layers ------------------------------------------------------------
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if self.prefill_row is not None:
+            return None  # a fresh sequence: no previous window
+        return self.store.conv[layer_idx][: self.rows]
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        # Only called for a multi-token forward, i.e. a prefill (decode updates the window in place).
+        if self.prefill_row is None:
+            raise RuntimeError("a decode step must update the conv window in place")
+        kernel = conv_kernel_size or conv_states.shape[-1]
+        window = conv_states[..., -kernel:]
+        if window.shape[-1] < kernel:
+            window = torch.nn.functional.pad(window, (kernel - window.shape[-1], 0))
+        store = self.store._state(self.store.conv, layer_idx, window)
+        store[self.prefill_row] = window[0]
+        return conv_states
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if self.prefill_row is not None:
+            return None
+        return self.store.recurrent[layer_idx][: self.rows]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        store = self.store._state(self.store.recurrent, layer_idx, recurrent_states)
+        if self.prefill_row is not None:
+            store[self.prefill_row] = recurrent_states[0]
+            return store[self.prefill_row : self.prefill_row + 1]
+        store[: self.rows] = recurrent_states
+        return store[: self.rows]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.prefill_row is None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("StepCache callers pass explicit position_ids and masks")
+
+    # -- inputs for the forward -------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Record that the forward stored its tokens (call after the forward returns)."""
+        if self.prefill_row is not None:
+            self.store.lengths[self.prefill_row] = self.query_len
+        else:
+            for r in range(self.rows):
+                self.store.lengths[r] += 1
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        if self.prefill_row is not None:
+            return torch.arange(self.query_len, device=device)[None]
+        return self._decode_index(device)[1][:, None]
+
+    def attention_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive 4D mask ``[batch, 1, query, keys]``: 0 where attention is allowed."""
+        blocked = torch.finfo(dtype).min
+        if self.prefill_row is not None:
+            q = self.query_len
+            allowed = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+            return torch.zeros(1, 1, q, q, dtype=dtype, device=device).masked_fill(~allowed, blocked)
+        positions = self._decode_index(device)[1]
+        span = int(positions.max()) + 1
+        allowed = torch.arange(span, device=device)[None, :] <= positions[:, None]
+        mask = torch.zeros(self.rows, 1, 1, span, dtype=dtype, device=device)
+        return mask.masked_fill(~allowed[:, None, None, :], blocked)

@@ -1,0 +1,143 @@
+"""Typed completion extractor: an upstream chat reply -> :class:`Completion`.
+
+Every reply that breaks the SGLang-compatible contract -- no choices, no message, no
+``meta_info``, malformed ``[logprob, token_id]`` pairs, a token count that disagrees with
+``completion_tokens``, a message with neither content nor tool calls -- raises
+:class:`~miles_core.session.errors.UpstreamFailure` (HTTP 502) with a bounded message, before
+anything is recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from miles_core.session.errors import UpstreamFailure
+from miles_core.session.messages import Message
+
+#: replay data some engines attach to ``meta_info``; recorded, never returned to the agent
+REPLAY_META_FIELDS = ("routed_experts", "indexer_topk")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated assistant turn, as sampled."""
+
+    message: Message  # the assistant message returned to the agent
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
+    weight_version: str | None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+def extract_completion(reply: Mapping[str, Any]) -> Completion:
+    choices = reply.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise _bad("reply has no choices")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise _bad("choices[0] is not an object")
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _bad("choices[0].message is missing or not an object")
+    meta = choice.get("meta_info")
+    if not isinstance(meta, dict):
+        raise _bad("choices[0].meta_info is missing (the engine must return token ids and log-probs)")
+    pairs = meta.get("output_token_logprobs")
+    if not isinstance(pairs, list):
+        raise _bad("choices[0].meta_info.output_token_logprobs is missing or not a list")
+    token_ids, logprobs = _split_pairs(pairs)
+    expected = meta.get("completion_tokens", (reply.get("usage") or {}).get("completion_tokens"))
+    if not _is_int(expected):
+        raise _bad("completion_tokens is missing (neither meta_info.completion_tokens nor usage.completion_tokens)")
+    if expected != len(token_ids):
+        raise _bad(f"completion_tokens={expected} but output_token_logprobs has {len(token_ids)} entries")
+    content = message.get("content")
+    tool_calls = message.get("tool_calls")
+    if content is None and not tool_calls:
+        raise _bad("choices[0].message has neither content nor tool_calls (did the tool-call parser fail?)")
+    if content is not None and not isinstance(content, str):
+        raise _bad("choices[0].message.content is not a string")
+    if tool_calls is not None and not _valid_tool_calls(tool_calls):
+        raise _bad("choices[0].message.tool_calls is not a list of {function: {name, arguments}} objects")
+    finish_reason = choice.get("finish_reason")
+    if isinstance(finish_reason, dict):  # SGLang reports {"type": "stop", ...} in meta_info style
+        finish_reason = finish_reason.get("type")
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise _bad("choices[0].finish_reason is not a string")
+    weight_version = meta.get("weight_version", reply.get("weight_version"))
+    assistant: Message = {"role": "assistant", "content": content}
+    for name in ("tool_calls", "reasoning_content"):
+        if message.get(name) is not None:
+            assistant[name] = message[name]
+    return Completion(
+        message=assistant,
+        token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
+        finish_reason=finish_reason,
+        weight_version=None if weight_version is None else str(weight_version),
+    )
+
+
+def _split_pairs(pairs: list[Any]) -> tuple[list[int], list[float]]:
+    """Token ids and log-probs of ``[logprob, token_id]`` pairs: a bulk check for the common
+    case (completions run to thousands of tokens), then a per-entry pass that names the first
+    bad entry or accepts unusual but valid spellings (tuples, int subclasses)."""
+    if all(type(p) is list and len(p) >= 2 for p in pairs):
+        token_ids = [p[1] for p in pairs]
+        logprobs = [p[0] for p in pairs]
+        if all(type(t) is int and t >= 0 for t in token_ids) and all(
+            (type(x) is float or type(x) is int) and -math.inf < x <= 0 for x in logprobs
+        ):
+            return token_ids, [float(x) for x in logprobs]
+    token_ids, logprobs = [], []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) < 2:
+            raise _bad(f"output_token_logprobs[{i}] is not a [logprob, token_id] pair")
+        logprob, token_id = pair[0], pair[1]
+        if not _is_int(token_id) or token_id < 0:
+            raise _bad(f"output_token_logprobs[{i}] token id {token_id!r} is not a non-negative integer")
+        if not _is_number(logprob) or not math.isfinite(logprob) or logprob > 0:
+            raise _bad(f"output_token_logprobs[{i}] log-prob {logprob!r} is not a finite number <= 0")
+        token_ids.append(int(token_id))
+        logprobs.append(float(logprob))
+    return token_ids, logprobs
+
+
+def client_reply(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply returned to the agent: the upstream reply without replay data in ``meta_info``."""
+    choices = []
+    for choice in reply.get("choices") or ():
+        meta = choice.get("meta_info")
+        if isinstance(meta, dict) and any(k in meta for k in REPLAY_META_FIELDS):
+            choice = {**choice, "meta_info": {k: v for k, v in meta.items() if k not in REPLAY_META_FIELDS}}
+        choices.append(choice)
+    return {**reply, "choices": choices}
+
+
+def _valid_tool_calls(calls: Any) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict))
+        for c in calls
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bad(what: str) -> UpstreamFailure:
+    return UpstreamFailure(f"malformed upstream reply: {what}")

@@ -1,0 +1,102 @@
+"""Run a session server (or any ASGI app) in a background thread on a loopback port.
+
+The agentic rollout of ``miles train`` starts the session server in-process next to the embedded
+engine::
+
+    with serve_in_thread(SessionServerConfig(upstream_url=engine_url, tokenizer_dir=tok)) as url:
+        ...  # POST f"{url}/sessions", ...
+
+The port is bound before the thread starts (``port=0`` picks a free one), the context manager
+returns once the server accepts connections, and leaving it shuts the server down and joins
+the thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from miles_core.errors import ConfigError, MilesError
+from miles_core.plugins import MilesPluginManager
+from miles_core.session.base import PromptTokenizer
+from miles_core.session.config import SessionServerConfig
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port=0``: a free port), ready for uvicorn."""
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
+    # listening socket says so, and without it every reply waits ~40 ms on Nagle + delayed ACK.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on, before the server loop accepts them
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+#: agents often think or run tools between turns; uvicorn's default (5 s) closes their idle
+#: connections, and a client that reuses one just as it closes sees a reset
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_server(app: Any, *, log_level: str = "warning", access_log: bool = False) -> Any:
+    """A ``uvicorn.Server`` for ``app`` with the settings every session server uses."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=KEEP_ALIVE_S
+    )
+    return uvicorn.Server(config)
+
+
+@contextmanager
+def run_app_in_thread(
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0, log_level: str = "warning"
+) -> Iterator[str]:
+    """Serve the ASGI ``app`` with uvicorn in a daemon thread; yield its base URL."""
+    sock = bind_socket(host, port)
+    server = uvicorn_server(app, log_level=log_level)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"asgi-{host}:{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not server.started:
+            if not thread.is_alive():
+                raise MilesError("the server thread exited during startup; see the log above")
+            if time.monotonic() > deadline:
+                raise MilesError(f"the server did not start within {startup_timeout} s")
+            time.sleep(0.005)
+        yield base_url(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=startup_timeout)
+        sock.close()
+
+
+@contextmanager
+def serve_in_thread(
+    config: SessionServerConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    pm: MilesPluginManager | None = None,
+    tokenizer: PromptTokenizer | None = None,
+) -> Iterator[str]:
+    """Build the session server for ``config`` (activation errors raise here) and serve it."""
+    from miles_core.session.server import build_app
+
+    with run_app_in_thread(build_app(config, pm=pm, tokenizer=tokenizer), host=host, port=port) as url:
+        yield url

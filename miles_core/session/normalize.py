@@ -1,0 +1,167 @@
+"""Pure request normalizer: an OpenAI chat body (bytes) -> a typed :class:`ChatRequest`.
+
+It validates the body against a schema (pydantic, strict: no coercion), rejects what the session
+server owns (``input_ids``) or cannot record (``n`` > 1), and splits the body into what the
+chat template needs (messages, tools, template kwargs), what the transport needs (``stream``)
+and what is forwarded upstream. :func:`upstream_body` then adds the server-owned prompt ids and
+the flags the recording depends on, which a client cannot override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from miles_core import strict_json
+from miles_core.session.errors import InvalidRequest
+from miles_core.session.messages import Message, MessageKey, canonical_message, message_key
+from miles_core.session.trajectory import SERVER_METADATA_KEYS, SampleOptions
+
+#: set on every upstream request: the recording needs the sampled ids and their log-probs
+FORCED_UPSTREAM_FLAGS: dict[str, Any] = {"logprobs": True, "return_meta_info": True, "no_stop_trim": False}
+#: client fields consumed by the session server and not forwarded upstream
+TRANSPORT_FIELDS = ("stream", "stream_options")
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
+class _TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _ChatBody(_Strict):
+    messages: list[_Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    n: Literal[1] | None = None
+    input_ids: None = None  # owned by the session server; any value is rejected
+
+
+class _SamplesBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_seq_len: int | None = Field(default=None, ge=1)
+    metadata: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat request, split by who consumes each part."""
+
+    messages: tuple[Message, ...]  # canonical, for the chat template
+    keys: tuple[MessageKey, ...]  # one per message, for history matching
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    forward: dict[str, Any]  # the client body minus transport fields, as sent
+
+
+def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, Any]:
+    """Parse ``body`` as a JSON object (strictly: :mod:`miles_core.strict_json`); empty is ``{}``."""
+    if not body.strip():
+        return {}
+    try:
+        data = strict_json.loads(body)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"{what} must be a JSON object, got {_json_type(data)}")
+    return data
+
+
+def normalize_chat_request(body: bytes) -> ChatRequest:
+    raw = parse_json_object(body)
+    parsed = _validate(_ChatBody, raw)
+    messages = raw["messages"]
+    try:
+        keys = tuple(message_key(m) for m in messages)
+    except RecursionError:
+        raise InvalidRequest("messages: tool-call arguments are nested too deeply") from None
+    return ChatRequest(
+        messages=tuple(canonical_message(m) for m in messages),
+        keys=keys,
+        tools=raw.get("tools"),
+        template_kwargs=dict(raw.get("chat_template_kwargs") or {}),
+        stream=parsed.stream,
+        include_usage=parsed.stream_options is not None and parsed.stream_options.include_usage,
+        forward={k: v for k, v in raw.items() if k not in TRANSPORT_FIELDS},
+    )
+
+
+def normalize_samples_request(body: bytes) -> SampleOptions:
+    """``{"max_seq_len"?: int >= 1, "metadata"?: object}``; metadata may not use server-owned keys."""
+    raw = parse_json_object(body)
+    parsed = _validate(_SamplesBody, raw)
+    metadata = parsed.metadata or {}
+    clash = SERVER_METADATA_KEYS.intersection(metadata)
+    if clash:
+        raise InvalidRequest(f"metadata.{sorted(clash)[0]} is set by the session server and must not be sent")
+    return SampleOptions(max_seq_len=parsed.max_seq_len, metadata=metadata)
+
+
+def upstream_body(request: ChatRequest, prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """The body sent upstream: the client's fields, the server-owned prompt ids, forced flags."""
+    return {**request.forward, "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
+
+
+def _validate(model: type[ModelT], raw: dict[str, Any]) -> ModelT:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """``messages[2].role: Input should be ...`` for the most specific error, with a count of
+    the rest (for a union, the branch that got deepest into the input explains it best)."""
+    errors = exc.errors(include_url=False)
+    first = max(errors, key=lambda error: len(error["loc"]))
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+    # Union errors name the branch tried ("content.str"); the field path is what a user needs.
+    where = where.replace(".str", "").replace(".list[_TextPart]", "").replace(".dict[str,any]", "")
+    message = first["msg"]
+    if first["type"] == "none_required":
+        message = "is set by the session server and must not be sent"
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return f"{where or 'body'}: {message}{more}"
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")

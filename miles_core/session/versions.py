@@ -1,0 +1,45 @@
+"""The built-in session versions: descriptors only (stores are imported when a session starts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_core.session.base import TrajectoryStore
+
+
+class ConformanceVerified:
+    """Mixin: ``verify()`` runs the session conformance suite on the version's stores."""
+
+    def verify(self) -> list[str]:
+        from miles_core.testing.session import run_conformance
+
+        return run_conformance(self)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LinearVersion(ConformanceVerified):
+    """v1: one linear trajectory per session (:mod:`miles_core.session.linear`)."""
+
+    name: str = "v1"
+    description: str = "linear trajectory; a retry rolls back at most one generated turn; one generation in flight"
+    max_in_flight: int | None = 1
+    max_rollback: int = 1
+
+    def create_store(self, *, max_turns: int) -> TrajectoryStore:
+        from miles_core.session.linear import LinearStore
+
+        return LinearStore(max_turns=max_turns, max_rollback=self.max_rollback)
+
+
+@dataclass(frozen=True)
+class TreeVersion(ConformanceVerified):
+    """v2: a trajectory tree per session (:mod:`miles_core.session.tree`)."""
+
+    name: str = "v2"
+    description: str = "trajectory tree; branches at any turn, one sample per kept leaf, superseded retries dropped"
+    max_in_flight: int | None = None
+
+    def create_store(self, *, max_turns: int) -> TrajectoryStore:
+        from miles_core.session.tree import TreeStore
+
+        return TreeStore(max_turns=max_turns)

@@ -1,0 +1,193 @@
+"""The async engine client: typed errors, bounded bodies, retries only before a request left."""
+
+import asyncio
+import json
+import socket
+
+import httpx
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.engine.client import (
+    ROUTING_KEY_HEADER,
+    EngineClient,
+    EngineConnectionError,
+    EngineHTTPError,
+    EngineProtocolError,
+    EngineTimeoutError,
+)
+from miles_core.testing.engine_stub import Fault, FixedReply, StubEngine, chat_reply
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
+REPLY = chat_reply("r", {"role": "assistant", "content": "ok"}, [1, 2], "stop", prompt_tokens=3)
+
+
+def _client(handler, **kwargs) -> EngineClient:
+    return EngineClient("http://engine:1", transport=httpx.MockTransport(handler), retry_backoff=0.001, **kwargs)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _chat(client: EngineClient, **kwargs):
+    async with client:
+        return await client.chat_completions({"input_ids": [1, 2, 3], "messages": []}, **kwargs)
+
+
+def test_posts_compact_json_with_the_routing_key() -> None:
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=REPLY)
+
+    client = _client(handler, headers={"Authorization": "Bearer t"})
+    assert _run(_chat(client, routing_key="s1")) == REPLY
+    [request] = seen
+    assert request.url.path == "/v1/chat/completions"
+    assert request.headers[ROUTING_KEY_HEADER] == "s1" and request.headers["authorization"] == "Bearer t"
+    assert request.content == b'{"input_ids":[1,2,3],"messages":[]}'
+
+
+@pytest.mark.parametrize("error", [httpx.ConnectError("refused"), httpx.ConnectTimeout("slow connect")])
+def test_connection_failures_are_retried(error) -> None:
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise error
+        return httpx.Response(200, json=REPLY)
+
+    assert _run(_chat(_client(handler, connect_retries=2))) == REPLY
+    assert len(calls) == 3
+    calls.clear()
+    expected = EngineTimeoutError if isinstance(error, httpx.ConnectTimeout) else EngineConnectionError
+    with pytest.raises(expected, match="after 2 attempt"):
+        _run(_chat(_client(handler, connect_retries=1)))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (httpx.ReadTimeout("read"), EngineTimeoutError),
+        (httpx.WriteTimeout("write"), EngineTimeoutError),
+        (httpx.RemoteProtocolError("peer closed"), EngineConnectionError),
+        (httpx.ReadError("reset"), EngineConnectionError),
+    ],
+)
+def test_failures_after_sending_are_never_retried(error, expected) -> None:
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        raise error
+
+    with pytest.raises(expected):
+        _run(_chat(_client(handler, connect_retries=5)))
+    assert len(calls) == 1
+
+
+def test_http_errors_carry_a_bounded_snippet() -> None:
+    client = _client(lambda request: httpx.Response(503, content=b"overloaded " + b"x" * 5000))
+    with pytest.raises(EngineHTTPError) as info:
+        _run(_chat(client))
+    assert info.value.status_code == 503
+    assert info.value.body_snippet.startswith("overloaded") and len(info.value.body_snippet) < 600
+    assert "http://engine:1/v1/chat/completions" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"choices": [', "not valid JSON"),
+        (b"[1, 2]", "JSON list, expected an object"),
+        (b'{"x": NaN}', "NaN"),
+        (b'{"x": "\\udc00"}', "surrogate"),
+    ],
+)
+def test_malformed_replies_are_protocol_errors(body, expected) -> None:
+    with pytest.raises(EngineProtocolError, match=expected):
+        _run(_chat(_client(lambda request: httpx.Response(200, content=body))))
+
+
+def test_health_accepts_sglangs_empty_body() -> None:
+    async def probe(body: bytes):
+        async with _client(lambda request: httpx.Response(200, content=body)) as client:
+            return await client.health()
+
+    assert _run(probe(b"")) == {}
+    assert _run(probe(b'{"status": "ok"}')) == {"status": "ok"}
+
+
+def test_against_a_real_socket() -> None:
+    """Timeouts, resets and refused connections over loopback, against the stub engine."""
+    with StubEngine(FixedReply(REPLY)) as stub:
+
+        async def scenario():
+            async with EngineClient(stub.url, timeout=0.3, connect_retries=0) as client:
+                assert (await client.chat_completions({"input_ids": [1]}))["id"] == "r"
+                stub.inject(Fault.TIMEOUT)
+                with pytest.raises(EngineTimeoutError):
+                    await client.chat_completions({"input_ids": [1]})
+                stub.inject(Fault.RESET)
+                with pytest.raises(EngineConnectionError):
+                    await client.chat_completions({"input_ids": [1]})
+                assert json.loads(stub.chat_requests()[-1].body) == {"input_ids": [1]}
+
+        _run(scenario())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def refused():
+        async with EngineClient(f"http://127.0.0.1:{port}", connect_retries=1, retry_backoff=0.001) as client:
+            await client.health()
+
+    with pytest.raises(EngineConnectionError, match="after 2 attempt"):
+        _run(refused())
+
+
+def test_weight_update_and_version_against_the_embedded_engine(tiny_dir, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from miles_core.engine.engine import Engine, EngineConfig
+    from miles_core.engine.server import EmbeddedServer
+
+    async def scenario(url: str) -> tuple[dict, str, EngineHTTPError]:
+        async with EngineClient(url) as client:
+            reply = await client.update_weights_from_disk(str(tmp_path), "step-1")
+            version = await client.weight_version()
+            with pytest.raises(EngineHTTPError) as refused:
+                await client.update_weights_from_disk(str(tmp_path / "missing"), "step-2")
+            return reply, version, refused.value
+
+    with EmbeddedServer(Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=1))) as server:
+        server.start()
+        weights = {n: p.detach().clone().contiguous() for n, p in server.engine.model.named_parameters()}
+        save_file(weights, str(tmp_path / "model.safetensors"))
+        reply, version, refused = _run(scenario(server.base_url))
+        assert server.engine.weight_version == "step-1"
+    assert reply["success"] is True and version == "step-1"
+    assert refused.status_code == 400 and "model_path" in refused.body_snippet
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [("/update_weights_from_disk", {"success": False, "message": "no"}, "without success"),
+     ("/get_weight_version", {"version": "1"}, "no weight_version")],
+)
+def test_weight_replies_that_break_the_contract_are_protocol_errors(path: str, body: dict, message: str) -> None:
+    client = _client(lambda request: httpx.Response(200, json=body))
+
+    async def call():
+        async with client:
+            if path == "/get_weight_version":
+                return await client.weight_version()
+            return await client.update_weights_from_disk("/ckpt")
+
+    with pytest.raises(EngineProtocolError, match=message):
+        _run(call())

@@ -1,0 +1,100 @@
+"""The typed completion extractor and the neutral token invariants."""
+
+import copy
+
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.session.completion import client_reply, extract_completion
+from miles_core.session.errors import UpstreamFailure
+from miles_core.session.tokens import TokenInvariantError, check_aligned, check_extends, first_mismatch
+from miles_core.testing.engine_stub import chat_reply
+
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
+
+GOOD = chat_reply("r1", {"role": "assistant", "content": "hi"}, [104, 105, 258], "stop", prompt_tokens=4)
+
+
+def test_extracts_ids_logprobs_and_metadata() -> None:
+    completion = extract_completion(GOOD)
+    assert completion.token_ids == (104, 105, 258)
+    assert completion.logprobs == (-0.125, -0.25, -0.375)
+    assert completion.message == {"role": "assistant", "content": "hi"}
+    assert completion.finish_reason == "stop" and completion.weight_version == "stub-0"
+    assert not completion.truncated
+
+
+def _broken(mutate):
+    reply = copy.deepcopy(GOOD)
+    mutate(reply)
+    with pytest.raises(UpstreamFailure) as info:
+        extract_completion(reply)
+    assert info.value.status == 502
+    return str(info.value)
+
+
+def _meta(reply):
+    return reply["choices"][0]["meta_info"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda r: r.pop("choices"), "no choices"),
+        (lambda r: r.update(choices=[]), "no choices"),
+        (lambda r: r.update(choices=["x"]), "choices[0] is not an object"),
+        (lambda r: r["choices"][0].pop("message"), "message is missing"),
+        (lambda r: r["choices"][0].pop("meta_info"), "meta_info is missing"),
+        (lambda r: _meta(r).pop("output_token_logprobs"), "output_token_logprobs is missing"),
+        (lambda r: _meta(r).update(output_token_logprobs=[[-0.1]]), "is not a [logprob, token_id] pair"),
+        (lambda r: _meta(r).update(output_token_logprobs=[[-0.1, "7"]]), "token id '7'"),
+        (lambda r: _meta(r).update(output_token_logprobs=[[-0.1, -7]]), "token id -7"),
+        (lambda r: _meta(r).update(output_token_logprobs=[[0.5, 7]]), "log-prob 0.5"),
+        (lambda r: _meta(r).update(output_token_logprobs=[[float("inf"), 7]]), "log-prob inf"),
+        (lambda r: _meta(r).update(output_token_logprobs=[[True, 7]]), "log-prob True"),
+        (lambda r: (_meta(r).pop("completion_tokens"), r.pop("usage")), "completion_tokens is missing"),
+        (lambda r: _meta(r).update(completion_tokens=4), "completion_tokens=4 but output_token_logprobs has 3"),
+        (lambda r: r["choices"][0]["message"].update(content=None), "neither content nor tool_calls"),
+        (lambda r: r["choices"][0]["message"].update(content=["x"]), "content is not a string"),
+        (lambda r: r["choices"][0]["message"].update(tool_calls=[{"function": {}}]), "tool_calls is not a list"),
+        (lambda r: r["choices"][0].update(finish_reason=3), "finish_reason is not a string"),
+    ],
+)
+def test_every_contract_break_is_a_502(mutate, expected) -> None:
+    assert expected in _broken(mutate)
+
+
+def test_error_messages_are_bounded() -> None:
+    message = _broken(lambda r: _meta(r).update(output_token_logprobs=[[-0.1, "x" * 100_000]]))
+    assert len(message) < 1200
+
+
+def test_client_reply_strips_replay_data_without_touching_the_record() -> None:
+    reply = client_reply(GOOD)
+    assert "routed_experts" not in reply["choices"][0]["meta_info"]
+    assert GOOD["choices"][0]["meta_info"]["routed_experts"] == "AAEC"
+
+
+def test_check_extends() -> None:
+    check_extends([1, 2, 3], [1, 2, 3, 4])
+    check_extends([1, 2, 3], [1, 2, 9], trim=1)
+    with pytest.raises(TokenInvariantError, match="first difference at index 2"):
+        check_extends([1, 2, 3], [1, 2, 9, 4])
+    # The new sequence is a strict prefix: a typed error, not a crash (an upstream bug).
+    with pytest.raises(TokenInvariantError, match="first difference at index 2"):
+        check_extends([1, 2, 3, 4], [1, 2])
+    with pytest.raises(TokenInvariantError, match="trim=5"):
+        check_extends([1, 2], [1, 2], trim=5)
+    huge = list(range(200_000))
+    with pytest.raises(TokenInvariantError) as info:
+        check_extends(huge, [*huge[:-1], -1])
+    assert len(str(info.value)) < 400
+
+
+def test_first_mismatch_and_alignment() -> None:
+    assert first_mismatch([1, 2], [1, 2]) is None
+    assert first_mismatch([1, 2], [1, 3]) == 1
+    assert first_mismatch([1, 2], [1]) == 1
+    check_aligned([1, 2], [-0.1, -0.2])
+    with pytest.raises(TokenInvariantError, match="2 token id"):
+        check_aligned([1, 2], [-0.1])

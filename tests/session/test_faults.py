@@ -1,0 +1,84 @@
+"""Upstream faults: every one answers 502 JSON with a bounded message, records nothing, leaves the
+session byte-identical, and the session keeps working afterwards."""
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.session.config import SessionServerConfig
+from miles_core.session.embed import serve_in_thread
+from miles_core.testing.engine_stub import Fault
+
+register_cpu_ci(est_time=20, suite="stage-a-cpu")
+
+Q1 = {"role": "user", "content": "first question"}
+Q2 = {"role": "user", "content": "second question"}
+
+EXPECTED = {
+    Fault.TIMEOUT: "EngineTimeoutError",
+    Fault.RESET: "EngineConnectionError",
+    Fault.STATUS_500: "engine answered HTTP 500",
+    Fault.INVALID_JSON: "not valid JSON",
+    Fault.MISSING_META_INFO: "meta_info is missing",
+    Fault.LOGPROB_COUNT_MISMATCH: "completion_tokens=",
+}
+
+
+@pytest.mark.parametrize("fault", list(Fault), ids=lambda f: f.value)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_fault_answers_502_and_changes_nothing(serve, version, fault) -> None:
+    harness = serve(version, upstream_timeout=0.5)
+    sid = harness.create()
+    first = harness.chat(sid, {"messages": [Q1]})
+    assert first.status_code == 200
+    history = [Q1, first.json()["choices"][0]["message"], Q2]
+    before = harness.state(sid).content
+    harness.stub.inject(fault)
+    response = harness.chat(sid, {"messages": history})
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["type"] == "upstream_error"
+    assert EXPECTED[fault] in error["message"], error["message"]
+    assert len(response.content) < 2048 and "Traceback" not in response.text
+    assert harness.state(sid).content == before
+    retry = harness.chat(sid, {"messages": history})
+    assert retry.status_code == 200
+    assert len(harness.state(sid).json()["records"]) == 2
+
+
+def test_failed_first_turn_records_nothing(serve) -> None:
+    harness = serve("v1")
+    sid = harness.create()
+    harness.stub.inject(Fault.STATUS_500)
+    assert harness.chat(sid, {"messages": [Q1]}).status_code == 502
+    state = harness.state(sid).json()
+    assert state["records"] == [] and state["metadata"]["accumulated_token_ids"] == []
+    samples = harness.client.post(f"/sessions/{sid}/samples").json()
+    assert samples["samples"] == [] and samples["empty_reason"] == "no_records"
+
+
+def test_engine_rejection_is_the_clients_error(serve) -> None:
+    harness = serve("v1")
+    sid = harness.create()
+    response = harness.chat(sid, {"messages": [Q1], "max_tokens": -1})
+    assert response.status_code == 400
+    assert "max_tokens must be a non-negative integer" in response.json()["error"]["message"]
+    assert harness.state(sid).json()["records"] == []
+
+
+def test_engine_down_answers_502_after_connect_retries(tokenizer_dir, chat_tokenizer) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = SessionServerConfig(
+        upstream_url=f"http://127.0.0.1:{port}", tokenizer_dir=tokenizer_dir, connect_retries=2
+    )
+    with serve_in_thread(config, tokenizer=chat_tokenizer) as url, httpx.Client(base_url=url) as client:
+        sid = client.post("/sessions").json()["session_id"]
+        response = client.post(f"/sessions/{sid}/v1/chat/completions", content=json.dumps({"messages": [Q1]}))
+        assert response.status_code == 502
+        assert "after 3 attempt(s)" in response.json()["error"]["message"]
+        assert client.get(f"/sessions/{sid}").json()["records"] == []

@@ -1,0 +1,103 @@
+"""The pure request normalizer and message matching."""
+
+import json
+
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.session.errors import InvalidRequest
+from miles_core.session.messages import message_key
+from miles_core.session.normalize import (
+    FORCED_UPSTREAM_FLAGS,
+    normalize_chat_request,
+    normalize_samples_request,
+    upstream_body,
+)
+
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
+
+
+def _normalize(body):
+    return normalize_chat_request(json.dumps(body).encode())
+
+
+def _rejected(body: bytes | dict) -> str:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(InvalidRequest) as info:
+        normalize_chat_request(raw)
+    return str(info.value)
+
+
+def test_split_by_consumer() -> None:
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "chat_template_kwargs": {"enable_thinking": False},
+        "temperature": 0.3,
+    }
+    request = _normalize(body)
+    assert request.messages == ({"role": "user", "content": "ab"},)
+    assert request.stream and request.include_usage
+    assert request.template_kwargs == {"enable_thinking": False}
+    assert "stream" not in request.forward and request.forward["temperature"] == 0.3
+    sent = upstream_body(request, (5, 6))
+    assert sent["input_ids"] == [5, 6] and sent["messages"] == body["messages"]
+    assert {k: sent[k] for k in FORCED_UPSTREAM_FLAGS} == FORCED_UPSTREAM_FLAGS
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b"", "messages: Field required"),
+        (b"{", "not valid JSON"),
+        (b"[1]", "must be a JSON object, got an array"),
+        (b'{"messages": NaN}', "NaN is not a valid JSON value"),
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "unpaired UTF-16 surrogate"),
+        (b"[" * 100_000, "nested too deeply"),
+        ({"messages": []}, "messages: List should have at least 1 item"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role: Input should be"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream: Input should be a valid boolean"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n: Input should be 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "input_ids": [1]}, "input_ids: is set by the session server"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, "chat_template_kwargs"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]}, "tool_calls[0].function.name"),
+    ],
+)
+def test_rejections_name_the_field(body, expected) -> None:
+    message = _rejected(body)
+    assert expected in message, message
+    assert len(message) <= 1100
+
+
+def test_equivalent_spellings_match() -> None:
+    sent = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": [2]}'}}],
+    }
+    echoed = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [2], "b": 1}}}]}
+    assert message_key(sent) == message_key(echoed)
+    changed = {**echoed, "tool_calls": [{"function": {"name": "f", "arguments": {"a": [3], "b": 1}}}]}
+    assert message_key(sent) != message_key(changed)
+    parts = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    assert message_key(parts) == message_key({"role": "user", "content": "hi"})
+    assert message_key(parts) != message_key({"role": "system", "content": "hi"})
+
+
+def test_samples_options() -> None:
+    assert normalize_samples_request(b"").max_seq_len is None
+    options = normalize_samples_request(b'{"max_seq_len": 10, "metadata": {"reward": 1}}')
+    assert options.max_seq_len == 10 and options.metadata == {"reward": 1}
+    for body, expected in [
+        (b'{"max_seq_len": 0}', "max_seq_len: Input should be greater than or equal to 1"),
+        (b'{"max_seq_len": true}', "max_seq_len"),
+        (b'{"other": 1}', "other: Extra inputs are not permitted"),
+        (b'{"metadata": {"turns": 1}}', "metadata.turns is set by the session server"),
+    ]:
+        with pytest.raises(InvalidRequest, match=expected):
+            normalize_samples_request(body)

@@ -1,0 +1,152 @@
+"""The HTTP surface: routes, status codes, JSON errors, SSE, samples options, lifecycle."""
+
+import json
+import threading
+import time
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.session.trajectory import SERVER_METADATA_KEYS
+
+register_cpu_ci(est_time=20, suite="stage-a-cpu")
+
+Q1 = {"role": "user", "content": "one"}
+
+
+def _error(response, status, error_type):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == error_type
+    return body["error"]["message"]
+
+
+def test_health_and_lifecycle(serve) -> None:
+    harness = serve("v1")
+    health = harness.client.get("/health").json()
+    assert health["status"] == "ok" and health["version"] == "v1"
+    sid = harness.create()
+    assert len(sid) == 32
+    state = harness.state(sid).json()
+    assert state["session_id"] == sid and state["records"] == []
+    assert state["metadata"]["accumulated_token_ids"] == [] and state["metadata"]["template_family"] == "chatml"
+    deleted = harness.client.delete(f"/sessions/{sid}")
+    assert deleted.status_code == 204 and deleted.content == b""
+    _error(harness.state(sid), 404, "not_found_error")
+
+
+def test_unknown_session_is_404_on_every_route(serve) -> None:
+    client = serve("v2").client
+    for method, path in [
+        ("GET", "/sessions/nope"),
+        ("DELETE", "/sessions/nope"),
+        ("POST", "/sessions/nope/v1/chat/completions"),
+        ("POST", "/sessions/nope/samples"),
+    ]:
+        response = client.request(method, path, content=json.dumps({"messages": [Q1]}))
+        assert "nope" in _error(response, 404, "not_found_error")
+
+
+def test_routing_errors_are_json(serve) -> None:
+    client = serve("v1").client
+    _error(client.get("/no/such/path"), 404, "not_found_error")
+    _error(client.get("/sessions"), 405, "method_not_allowed_error")
+    _error(client.post("/sessions", content=b'{"extra": 1}'), 400, "invalid_request_error")
+
+
+def test_request_body_limit(serve) -> None:
+    harness = serve("v1", max_body_bytes=1000)
+    sid = harness.create()
+    big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    _error(harness.chat(sid, big), 413, "request_too_large_error")
+    assert harness.state(sid).json()["records"] == []
+
+
+def test_chat_reply_strips_replay_data_but_records_keep_it(serve) -> None:
+    harness = serve("v1")
+    sid = harness.create()
+    reply = harness.chat(sid, {"messages": [Q1]}).json()
+    meta = reply["choices"][0]["meta_info"]
+    assert "routed_experts" not in meta and meta["output_token_logprobs"]
+    record = harness.state(sid).json()["records"][0]
+    assert record["response"]["choices"][0]["meta_info"]["routed_experts"] == "AAEC"
+    sent = record["request"]
+    assert sent["logprobs"] is True and sent["return_meta_info"] is True and sent["no_stop_trim"] is False
+    assert sent["messages"] == [Q1] and "stream" not in sent
+
+
+def test_forced_flags_cannot_be_overridden(serve) -> None:
+    harness = serve("v1")
+    sid = harness.create()
+    body = {"messages": [Q1], "logprobs": False, "return_meta_info": False, "temperature": 0.5}
+    assert harness.chat(sid, body).status_code == 200
+    sent = json.loads(harness.stub.chat_requests(sid)[-1].body)
+    assert sent["logprobs"] is True and sent["return_meta_info"] is True and sent["temperature"] == 0.5
+
+
+def test_stream_is_answered_as_sse(serve) -> None:
+    harness = serve("v2")
+    sid = harness.create()
+    response = harness.chat(sid, {"messages": [Q1], "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 3
+    chunk, usage = json.loads(events[0]), json.loads(events[1])
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0]["delta"]["content"].startswith("#1 ")
+    assert chunk["choices"][0]["finish_reason"] == "stop"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] > 0
+    sent = json.loads(harness.stub.chat_requests(sid)[-1].body)
+    assert "stream" not in sent and "stream_options" not in sent
+
+
+def test_samples_options(serve) -> None:
+    harness = serve("v1")
+    sid = harness.create()
+    a1 = harness.chat(sid, {"messages": [Q1]}).json()["choices"][0]["message"]
+    harness.chat(sid, {"messages": [Q1, a1, {"role": "user", "content": "two"}]})
+    url = f"/sessions/{sid}/samples"
+    full = harness.client.post(url, content=json.dumps({"metadata": {"reward": 1.0}})).json()
+    [sample] = full["samples"]
+    assert sample["metadata"]["reward"] == 1.0 and sample["metadata"]["turns"] == [1, 2]
+    assert sample["status"] == "completed" and full["empty_reason"] is None
+    first_len = len(harness.state(sid).json()["records"][0]["request"]["input_ids"])
+    cut = harness.client.post(url, content=json.dumps({"max_seq_len": len(sample["tokens"]) - 1})).json()
+    [short] = cut["samples"]
+    assert short["metadata"]["turns"] == [1] and short["metadata"]["dropped_turns"] == 1
+    assert short["status"] == "truncated" and short["prompt_length"] == first_len
+    none = harness.client.post(url, content=json.dumps({"max_seq_len": 1})).json()
+    assert none["samples"] == [] and none["empty_reason"] == "all_truncated"
+    for bad in ({"max_seq_len": 0}, {"max_seq_len": "9"}, {"unknown": 1}, {"metadata": []}):
+        _error(harness.client.post(url, content=json.dumps(bad)), 400, "invalid_request_error")
+    for key in SERVER_METADATA_KEYS:
+        message = _error(harness.client.post(url, content=json.dumps({"metadata": {key: 1}})), 400, "invalid_request_error")
+        assert f"metadata.{key}" in message
+
+
+def test_delete_waits_for_the_generation_in_flight(serve) -> None:
+    harness = serve("v1", stub_delay=0.4)
+    sid = harness.create()
+    replies = []
+    chat = threading.Thread(target=lambda: replies.append(harness.chat(sid, {"messages": [Q1]})))
+    chat.start()
+    deadline = time.monotonic() + 5
+    while harness.state(sid).json()["metadata"]["in_flight"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    late = threading.Thread(target=lambda: replies.append(harness.client.delete(f"/sessions/{sid}")))
+    late.start()
+    time.sleep(0.1)
+    _error(harness.chat(sid, {"messages": [Q1]}), 409, "conflict_error")  # closing: no new turns
+    chat.join()
+    late.join()
+    assert sorted(r.status_code for r in replies) == [200, 204]
+    _error(harness.state(sid), 404, "not_found_error")
+
+
+def test_max_sessions(serve) -> None:
+    harness = serve("v1", max_sessions=2)
+    ids = [harness.create(), harness.create()]
+    _error(harness.client.post("/sessions"), 409, "conflict_error")
+    harness.client.delete(f"/sessions/{ids[0]}")
+    assert harness.create()
