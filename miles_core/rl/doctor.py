@@ -14,7 +14,6 @@ OPTIONAL_MODULES = {"ray": "--orchestrator ray", "megatron.core": "trainer.backe
 
 def check(pm: Any) -> list[CheckResult]:
     from miles_core.rl.config import PRESETS, load_config
-
     from miles_core.rl.tasks import Task
 
     results = []

@@ -73,11 +73,10 @@ class EngineWorker:
         """Start the engine's HTTP server and a session server in front of it; their URL."""
         from contextlib import ExitStack
 
-        from miles_core.session.config import SessionServerConfig
-        from miles_core.session.embed import serve_in_thread
-
         from miles_core.engine.server import EmbeddedServer
         from miles_core.plugins import get_plugin_manager
+        from miles_core.session.config import SessionServerConfig
+        from miles_core.session.embed import serve_in_thread
 
         self._stack = ExitStack()
         server = EmbeddedServer(self.engine, host="0.0.0.0").start()

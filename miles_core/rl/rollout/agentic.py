@@ -23,7 +23,14 @@ from miles_core.rl.tasks import Prompt, SandboxTool
 
 
 class EpisodeError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+#: a chat turn the session server answered 502 (its upstream connection failed) is sent again, in
+#: the same session: a failed turn changes nothing there, and the same seed samples the same tokens
+UPSTREAM_RETRIES = 2
 
 
 class AgenticRollout:
@@ -45,10 +52,9 @@ class AgenticRollout:
         """Serve ``engine`` over HTTP and a session server in front of it, both on loopback."""
         from contextlib import ExitStack
 
+        from miles_core.engine.server import EmbeddedServer
         from miles_core.session.config import SessionServerConfig
         from miles_core.session.embed import serve_in_thread
-
-        from miles_core.engine.server import EmbeddedServer
 
         stack = ExitStack()
         try:
@@ -85,7 +91,9 @@ class AgenticRollout:
     async def _post(self, path: str, body: Any) -> Any:
         async with self._client.post(self.url + path, json=body) as response:
             if response.status >= 400:
-                raise EpisodeError(f"session server {path}: HTTP {response.status}: {(await response.text())[:300]}")
+                raise EpisodeError(
+                    f"session server {path}: HTTP {response.status}: {(await response.text())[:300]}", response.status
+                )
             return await response.json()
 
     async def _episode(self, prompt: Prompt, seed: int) -> Trajectory:
@@ -101,7 +109,7 @@ class AgenticRollout:
                 }
                 if self.tools:
                     body["tools"] = [t.schema() for t in self.tools.values()]
-                reply = (await self._post(f"/sessions/{session_id}/v1/chat/completions", body))["choices"][0]
+                reply = (await self._chat(session_id, body))["choices"][0]
                 turns += 1
                 calls = reply["message"].get("tool_calls") or []
                 if not calls or turns >= s.max_turns:
@@ -128,6 +136,16 @@ class AgenticRollout:
             finish_reason=reply.get("finish_reason") or "",
             weight_version=",".join(sorted({str(v) for v in sample["weight_versions"]})),
         )
+
+    async def _chat(self, session_id: str, body: dict[str, Any]) -> Any:
+        failures = 0
+        while True:
+            try:
+                return await self._post(f"/sessions/{session_id}/v1/chat/completions", body)
+            except EpisodeError as exc:
+                failures += 1
+                if exc.status != 502 or failures > UPSTREAM_RETRIES:
+                    raise
 
     async def _call_tool(self, call: dict[str, Any]) -> dict[str, Any]:
         """Run one tool call in the sandbox. Unknown tools, bad arguments and a tool program that
