@@ -73,17 +73,16 @@ class EngineWorker:
         """Start the engine's HTTP server and a session server in front of it; their URL."""
         from contextlib import ExitStack
 
-        from miles_core.engine.server import EmbeddedServer
+        from miles_core.engine.server import create_app
         from miles_core.plugins import get_plugin_manager
         from miles_core.session.config import SessionServerConfig
-        from miles_core.session.embed import serve_in_thread
+        from miles_core.session.embed import run_app_in_thread, serve_in_thread
 
         self._stack = ExitStack()
-        server = EmbeddedServer(self.engine, host="0.0.0.0").start()
-        self._stack.callback(server.shutdown)
+        engine_url = self._stack.enter_context(run_app_in_thread(create_app(self.engine)))
         url = self._stack.enter_context(serve_in_thread(
-            SessionServerConfig(upstream_url=server.base_url.replace("0.0.0.0", "127.0.0.1"),
-                                tokenizer_dir=self.model_dir, version=self.config.rollout.session_version),
+            SessionServerConfig(upstream_url=engine_url, tokenizer_dir=self.model_dir,
+                                version=self.config.rollout.session_version),
             host="0.0.0.0", pm=get_plugin_manager(),
         ))
         import ray

@@ -52,17 +52,17 @@ class AgenticRollout:
         """Serve ``engine`` over HTTP and a session server in front of it, both on loopback."""
         from contextlib import ExitStack
 
-        from miles_core.engine.server import EmbeddedServer
+        from miles_core.engine.server import create_app
         from miles_core.session.config import SessionServerConfig
-        from miles_core.session.embed import serve_in_thread
+        from miles_core.session.embed import run_app_in_thread, serve_in_thread
 
         stack = ExitStack()
         try:
-            engine_server = EmbeddedServer(engine).start()
-            stack.callback(engine_server.shutdown)
+            # served with the session server's long keep-alive: between steps the engine's
+            # connections sit idle while the trainer works, longer than uvicorn's default 5 s
+            engine_url = stack.enter_context(run_app_in_thread(create_app(engine)))
             session_config = SessionServerConfig(
-                upstream_url=engine_server.base_url, tokenizer_dir=str(tokenizer_dir),
-                version=config.rollout.session_version,
+                upstream_url=engine_url, tokenizer_dir=str(tokenizer_dir), version=config.rollout.session_version,
             )
             url = stack.enter_context(serve_in_thread(session_config, pm=pm))
             sandbox = tool_sandbox(config, pm, aio, tools)
