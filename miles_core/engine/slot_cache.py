@@ -100,11 +100,40 @@ class SlotStore:
         return store[layer]
 
 
+class _LinearLayerView:
+    """What transformers < 5.24 reads from ``cache.layers[i]`` of a linear-attention layer
+    (``record_past``, ``conv_states[0]``, ``recurrent_states[0]``); later versions call the
+    cache's ``is_recording_past`` / ``get_conv_state`` / ``get_recurrent_state`` instead."""
+
+    def __init__(self, cache: StepCache, layer_idx: int) -> None:
+        self.record_past = cache.is_recording_past(layer_idx)
+        self.conv_states = [cache.get_conv_state(layer_idx)]
+        self.recurrent_states = [cache.get_recurrent_state(layer_idx)]
+
+
+class _LayerViews:
+    """Indexable like ``Cache.layers`` but empty when iterated or measured, as ``layers=[]`` is
+    in later versions (masking code iterates ``cache.layers`` for per-layer attributes)."""
+
+    def __init__(self, cache: StepCache) -> None:
+        self._cache = cache
+
+    def __getitem__(self, layer_idx: int) -> _LinearLayerView:
+        return _LinearLayerView(self._cache, layer_idx)
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 class StepCache(Cache):
     """The cache object of one forward pass over rows of a :class:`SlotStore`."""
 
     def __init__(self, store: SlotStore, *, prefill_row: int | None, query_len: int) -> None:
         super().__init__(layers=[])
+        self.layers = _LayerViews(self)  # type: ignore[assignment]
         self.store = store
         self.prefill_row = prefill_row
         self.query_len = query_len
