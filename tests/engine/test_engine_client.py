@@ -4,6 +4,9 @@ import asyncio
 import json
 import socket
 
+from types import SimpleNamespace
+
+import aiohttp
 import httpx
 import pytest
 
@@ -15,6 +18,7 @@ from miles_core.engine.client import (
     EngineHTTPError,
     EngineProtocolError,
     EngineTimeoutError,
+    _as_httpx_error,
 )
 from miles_core.testing.engine_stub import Fault, FixedReply, StubEngine, chat_reply
 
@@ -128,7 +132,7 @@ def test_against_a_real_socket() -> None:
     with StubEngine(FixedReply(REPLY)) as stub:
 
         async def scenario():
-            async with EngineClient(stub.url, timeout=0.3, connect_retries=0) as client:
+            async with EngineClient(stub.url, timeout=0.3, connect_retries=2, retry_backoff=0.001) as client:
                 assert (await client.chat_completions({"input_ids": [1]}))["id"] == "r"
                 stub.inject(Fault.TIMEOUT)
                 with pytest.raises(EngineTimeoutError):
@@ -139,6 +143,7 @@ def test_against_a_real_socket() -> None:
                 assert json.loads(stub.chat_requests()[-1].body) == {"input_ids": [1]}
 
         _run(scenario())
+        assert len(stub.chat_requests()) == 3  # a request that reached the engine is never sent again
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -149,6 +154,23 @@ def test_against_a_real_socket() -> None:
 
     with pytest.raises(EngineConnectionError, match="after 2 attempt"):
         _run(refused())
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (aiohttp.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
+        (aiohttp.ClientConnectorError(SimpleNamespace(host="h", port=1, ssl=True), ConnectionRefusedError(111, "refused")), httpx.ConnectError),
+        (aiohttp.SocketTimeoutError("read"), httpx.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), httpx.RemoteProtocolError),
+        (aiohttp.ClientPayloadError("cut off"), httpx.ReadError),
+        (aiohttp.ClientOSError(104, "reset"), httpx.ReadError),
+    ],
+)
+def test_aiohttp_errors_map_to_what_they_prove(error, expected) -> None:
+    """Only failures before the request left become the connect errors the client retries."""
+    mapped = _as_httpx_error(error, httpx.Request("POST", "http://engine:1/v1/chat/completions"))
+    assert type(mapped) is expected
 
 
 def test_weight_update_and_version_against_the_embedded_engine(tiny_dir, tmp_path) -> None:
