@@ -1,4 +1,4 @@
-"""Strict JSON parsing for bytes that arrive over HTTP (session server requests, engine replies).
+"""Strict JSON for bytes that cross HTTP (session server requests and replies, engine calls).
 
 Python's ``json`` accepts ``NaN``/``Infinity`` and unpaired UTF-16 surrogate escapes
 (``"\\ud800"``); neither survives being encoded again as UTF-8 JSON, so both are refused here,
@@ -31,3 +31,8 @@ def loads(data: bytes) -> Any:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid JSON value")
+
+
+def dumps(value: Any) -> bytes:
+    """Compact UTF-8 JSON; raises ``ValueError`` for NaN/Infinity, which :func:`loads` refuses too."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()

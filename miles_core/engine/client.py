@@ -115,12 +115,19 @@ class EngineClient:
 
     async def chat_completions(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> dict[str, Any]:
         """``POST /v1/chat/completions``; the reply as a JSON object (not validated further)."""
+        reply, _ = await self.chat_completions_raw(strict_json.dumps(body), routing_key=routing_key)
+        return reply
+
+    async def chat_completions_raw(
+        self, content: bytes, *, routing_key: str | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """:meth:`chat_completions` for a body already encoded as JSON; the reply as a JSON object
+        and as the exact bytes received (what the session server records)."""
         headers = {"content-type": "application/json"}
         if routing_key is not None:
             headers[ROUTING_KEY_HEADER] = routing_key
-        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
         response = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
-        return _json_object(response)
+        return _json_object(response), response.content
 
     async def health(self) -> dict[str, Any]:
         """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""

@@ -16,7 +16,6 @@ not stall other sessions.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,6 +33,7 @@ from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
 from miles_core.session.errors import PayloadTooLarge, SessionError, bounded
 from miles_core.session.service import SessionService
+from miles_core.strict_json import dumps
 
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "method_not_allowed_error"}
 
@@ -148,10 +148,6 @@ async def samples(request: Request) -> Response:
 
 
 # -- encoding and errors ------------------------------------------------------------------------
-
-
-def dumps(data: Any) -> bytes:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 def json_response(data: Any, status_code: int = 200) -> Response:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from miles_core import strict_json
 from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
 from miles_core.session.completion import client_reply, extract_completion
@@ -136,14 +137,14 @@ class SessionService:
         request = normalize_chat_request(body)
         with session.generation(self.version.max_in_flight):
             plan = session.store.plan(request, self.tokenizer)
-            sent = upstream_body(request, plan.prompt_ids)
+            sent = strict_json.dumps(upstream_body(request, plan.prompt_ids))
             started = time.time()
             try:
-                reply = await self.engine.chat_completions(sent, routing_key=session.id)
+                reply, received = await self.engine.chat_completions_raw(sent, routing_key=session.id)
             except EngineError as exc:
                 raise upstream_error(exc) from exc
             completion = extract_completion(reply)
-            session.store.commit(plan, completion, TurnRecord(sent, reply, started, time.time()))
+            session.store.commit(plan, completion, TurnRecord(sent, received, started, time.time()))
         return ChatOutcome(client_reply(reply), request.stream, request.include_usage)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:

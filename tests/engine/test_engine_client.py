@@ -3,7 +3,6 @@
 import asyncio
 import json
 import socket
-
 from types import SimpleNamespace
 
 import aiohttp
