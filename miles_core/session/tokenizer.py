@@ -49,6 +49,7 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer: Any, family: TemplateFamily, *, source: str) -> None:
         self._tok = tokenizer
+        self._backend = _private_backend(tokenizer)
         self.family = family
         self.source = source
         self._reserved = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
@@ -131,6 +132,8 @@ class ChatTokenizer:
         return cached
 
     def encode(self, text: str) -> tuple[int, ...]:
+        if self._backend is not None:
+            return tuple(self._backend.encode(text, add_special_tokens=False).ids)
         return tuple(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -190,3 +193,21 @@ class ChatTokenizer:
                 "the assistant message before it (common with templates that strip reasoning from "
                 "earlier turns); pass an append-only template with --chat-template FILE"
             )
+
+
+def _private_backend(tokenizer: Any) -> Any:
+    """A private copy of a fast tokenizer's Rust backend, set up as ``tokenizer.encode(text,
+    add_special_tokens=False)`` sets up the shared one (no truncation or padding, special tokens
+    split as configured), or ``None`` for a tokenizer without one. Calling it directly skips
+    ~25 us of Python per call and the batch path's thread pool; a copy, so nothing that changes
+    the caller's tokenizer settings later can change what this one encodes."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    private = Tokenizer.from_str(backend.to_str())
+    private.no_truncation()
+    private.no_padding()
+    private.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+    return private

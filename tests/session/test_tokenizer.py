@@ -164,3 +164,36 @@ def test_chat_template_file_replaces_the_tokenizers(tmp_path, tokenizer_dir) -> 
 def test_request_errors_are_400(chat_tokenizer) -> None:
     with pytest.raises(InvalidRequest, match="chat_template_kwargs may not set tokenize"):
         chat_tokenizer.render_prompt([{"role": "user", "content": "x"}], tools=None, template_kwargs={"tokenize": True})
+
+
+
+ENCODE_PIECES = ["<|im_start|>", "<|im_end|>", "<|user|>", "[gMASK]", "\n", " ", "  x", "é", "日本", "🙂", "a", "tool"]
+
+
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_encode_equals_the_hugging_face_tokenizer(tmp_path, split_special_tokens) -> None:
+    """The direct backend call encodes exactly as ``tokenizer.encode(add_special_tokens=False)``,
+    special tokens split or not as the tokenizer is configured, and a caller that sets up the
+    shared tokenizer for truncation afterwards does not change it."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from miles_core.session.tokenizer import _private_backend
+
+    directory = _tokenizer_dir(tmp_path, GLM_TEMPLATE, GLM_SPECIALS)
+    hf = AutoTokenizer.from_pretrained(str(directory), split_special_tokens=split_special_tokens)
+    backend = _private_backend(hf)
+    rng = random.Random(0)
+    texts = ["".join(rng.choices(ENCODE_PIECES, k=rng.randint(0, 12))) for _ in range(300)]
+    for text in texts:
+        assert backend.encode(text, add_special_tokens=False).ids == hf.encode(text, add_special_tokens=False), text
+    assert (len(backend.encode("[gMASK]", add_special_tokens=False).ids) == 1) is not split_special_tokens
+    text = "a" * 10
+    full = hf.encode(text, add_special_tokens=False)
+    hf(text, truncation=True, max_length=2)  # leaves the tokenizer's own backend truncating
+    assert len(hf.backend_tokenizer.encode(text, add_special_tokens=False).ids) == 2
+    assert backend.encode(text, add_special_tokens=False).ids == full
+    if not split_special_tokens:  # a family's stop token must be one token: only this setting loads
+        tok = ChatTokenizer(hf, detect_family(GLM_TEMPLATE), source=str(directory))
+        assert all(list(tok.encode(text)) == hf.encode(text, add_special_tokens=False) for text in texts)
