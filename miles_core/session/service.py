@@ -137,7 +137,10 @@ class SessionService:
         request = normalize_chat_request(body)
         with session.generation(self.version.max_in_flight):
             plan = session.store.plan(request, self.tokenizer)
-            sent = strict_json.dumps(upstream_body(request, plan.prompt_ids))
+            try:
+                sent = strict_json.dumps(upstream_body(request, plan.prompt_ids))
+            except ValueError as exc:
+                raise InvalidRequest(f"the request cannot be forwarded upstream: {exc}") from None
             started = time.time()
             try:
                 reply, received = await self.engine.chat_completions_raw(sent, routing_key=session.id)
