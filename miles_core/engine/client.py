@@ -18,7 +18,7 @@ import itertools
 import json
 import ssl
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import httpx
@@ -30,6 +30,8 @@ from miles_core.errors import MilesError
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 #: how much of an error reply body an exception carries
 SNIPPET_CHARS = 512
+#: idle pooled connections are closed after this long (as httpx did)
+KEEPALIVE_S = 5.0
 
 
 class EngineError(MilesError):
@@ -74,13 +76,15 @@ class EngineClient:
     ``timeout`` bounds each read, write and wait for a pooled connection; ``connect_timeout``
     bounds establishing a connection, which is retried ``connect_retries`` times with exponential
     backoff starting at ``retry_backoff`` seconds. ``headers`` are sent with every request.
-    ``transport`` replaces the network transport (tests); by default requests go through
-    :class:`AiohttpTransport`.
+    Connections are spread over ``pool_shards`` pools of at most ``max_connections / pool_shards``
+    connections each, picked by routing key (so a session keeps its connections) or round-robin.
 
-    It drives an httpx transport directly: one engine needs none of ``httpx.AsyncClient``'s
-    cookies, redirects or auth flows. Connections are spread over ``pool_shards`` pools of at
-    most ``max_connections / pool_shards`` connections each, picked by routing key (so a session
-    keeps its connections) or round-robin.
+    Requests go over aiohttp connection pools: httpx's own (httpcore: pure-Python HTTP, a pool
+    scanned for every request) cost ~1 ms of CPU per engine call, the largest part of what the
+    session server spent on a turn; aiohttp parses HTTP in C and hands out pooled connections in
+    constant time. ``transport`` replaces the network with an httpx transport (tests:
+    ``httpx.MockTransport``); both raise httpx's exception types, so everything above the byte
+    exchange -- retries, typed errors, status and JSON checks -- is one code path.
     """
 
     def __init__(
@@ -101,17 +105,19 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.connect_retries = connect_retries
         self.retry_backoff = retry_backoff
-        self._headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
-        self._timeout = httpx.Timeout(timeout, connect=connect_timeout).as_dict()
+        default_headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
+        self._pools: list[_Pool]
         if transport is not None:
-            self._transports: list[httpx.AsyncBaseTransport] = [transport]
+            self._pools = [_TransportPool(transport, default_headers, httpx.Timeout(timeout, connect=connect_timeout))]
         else:
             per_shard = max(1, -(-max_connections // pool_shards))
             tls = httpx.create_ssl_context()  # one for all shards: each costs ~25 ms to build
-            self._transports = [AiohttpTransport(max_connections=per_shard, tls=tls) for _ in range(max(1, pool_shards))]
+            self._pools = [
+                _AiohttpPool(default_headers, timeout, connect_timeout, max_connections=per_shard, tls=tls)
+                for _ in range(max(1, pool_shards))
+            ]
         self._next_shard = itertools.count()
-        self._chat_url = httpx.URL(f"{self.base_url}/v1/chat/completions")
-        self._health_url = httpx.URL(f"{self.base_url}/health")
+        self._chat_url = f"{self.base_url}/v1/chat/completions"
 
     async def chat_completions(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> dict[str, Any]:
         """``POST /v1/chat/completions``; the reply as a JSON object (not validated further)."""
@@ -123,16 +129,15 @@ class EngineClient:
     ) -> tuple[dict[str, Any], bytes]:
         """:meth:`chat_completions` for a body already encoded as JSON; the reply as a JSON object
         and as the exact bytes received (what the session server records)."""
-        headers = {"content-type": "application/json"}
-        if routing_key is not None:
-            headers[ROUTING_KEY_HEADER] = routing_key
-        response = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
-        return _json_object(response), response.content
+        headers = _JSON_BODY if routing_key is None else {**_JSON_BODY, ROUTING_KEY_HEADER: routing_key}
+        received = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
+        return _json_object(received, self._chat_url), received
 
     async def health(self) -> dict[str, Any]:
         """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""
-        response = await self._send("GET", self._health_url)
-        return _json_object(response) if response.content.strip() else {}
+        url = f"{self.base_url}/health"
+        received = await self._send("GET", url)
+        return _json_object(received, url) if received.strip() else {}
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
         """``POST /update_weights_from_disk`` with SGLang's body; the reply, whose ``success`` is true.
@@ -145,25 +150,25 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        url = httpx.URL(f"{self.base_url}/update_weights_from_disk")
-        response = await self._send("POST", url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
-        reply = _json_object(response)
+        url = f"{self.base_url}/update_weights_from_disk"
+        received = await self._send("POST", url, content=json.dumps(body).encode(), headers=_JSON_BODY)
+        reply = _json_object(received, url)
         if reply.get("success") is not True:
-            raise EngineProtocolError(f"weight update answered without success: {snippet(response.content, 256)}", url=str(url))
+            raise EngineProtocolError(f"weight update answered without success: {snippet(received, 256)}", url=url)
         return reply
 
     async def weight_version(self) -> str:
         """``GET /get_weight_version``: the version of the weights the engine serves now."""
-        url = httpx.URL(f"{self.base_url}/get_weight_version")
-        reply = _json_object(await self._send("GET", url))
+        url = f"{self.base_url}/get_weight_version"
+        reply = _json_object(await self._send("GET", url), url)
         version = reply.get("weight_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
-            raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=str(url))
+            raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=url)
         return str(version)
 
     async def aclose(self) -> None:
-        for transport in self._transports:
-            await transport.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -174,83 +179,83 @@ class EngineClient:
     async def _send(
         self,
         method: str,
-        url: httpx.URL,
+        url: str,
         *,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         shard_key: str | None = None,
-    ) -> httpx.Response:
+    ) -> bytes:
+        """The body of a 2xx reply to one request, retried only while it provably never left."""
         index = hash(shard_key) if shard_key is not None else next(self._next_shard)
-        transport = self._transports[index % len(self._transports)]
-        request = httpx.Request(
-            method, url, headers={**self._headers, **(headers or {})}, content=content, extensions={"timeout": self._timeout}
-        )
+        pool = self._pools[index % len(self._pools)]
         attempt = 0
         while True:
             try:
-                response = await transport.handle_async_request(request)
-                response.request = request
-                await response.aread()
+                status, received = await pool.exchange(method, url, headers or {}, content)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the engine: the only failure that is safe to retry.
                 if attempt >= self.connect_retries:
                     kind = EngineTimeoutError if isinstance(exc, httpx.ConnectTimeout) else EngineConnectionError
                     raise kind(
-                        f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=str(url)
+                        f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=url
                     ) from exc
                 await asyncio.sleep(self.retry_backoff * 2**attempt)
                 attempt += 1
             except httpx.TimeoutException as exc:
-                raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=str(url)) from exc
+                raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=url) from exc
             except httpx.TransportError as exc:
-                raise EngineConnectionError(f"connection to the engine failed: {_describe(exc)}", url=str(url)) from exc
-        if not 200 <= response.status_code < 300:
-            raise EngineHTTPError(response.status_code, snippet(response.content), url=str(url))
-        return response
+                raise EngineConnectionError(f"connection to the engine failed: {_describe(exc)}", url=url) from exc
+        if not 200 <= status < 300:
+            raise EngineHTTPError(status, snippet(received), url=url)
+        return received
 
 
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """An httpx transport that sends requests over an aiohttp connection pool.
+_JSON_BODY = {"content-type": "application/json"}
 
-    httpx's own transport (httpcore: pure-Python HTTP parsing, a pool scanned for every request)
-    cost ~1 ms of CPU per engine call, the largest part of what the session server spends on a
-    turn; aiohttp parses HTTP in C and hands out pooled connections in constant time (~0.3 ms).
-    aiohttp's errors are translated to httpx's by what they prove about the request: only
-    :class:`httpx.ConnectError` and :class:`httpx.ConnectTimeout` mean it was never sent.
-    The pool is created on the first request, inside the event loop that uses it.
-    """
 
-    def __init__(self, *, max_connections: int, tls: ssl.SSLContext, keepalive_expiry: float = 5.0) -> None:
+class _Pool(Protocol):
+    """Sends one request and reads the whole reply; failures raise httpx's exception types."""
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _AiohttpPool:
+    """One aiohttp connection pool, created on the first request inside the event loop using it."""
+
+    def __init__(
+        self, headers: Mapping[str, str], timeout: float, connect_timeout: float, *, max_connections: int, tls: ssl.SSLContext
+    ) -> None:
+        self._headers = dict(headers)
+        # Waiting for a pool slot and connecting are bounded together (aiohttp's "connect"), the
+        # connect itself by connect_timeout; every read by timeout (aiohttp has no write timeout:
+        # a write the engine never reads ends in the read timeout).
+        self._timeout = aiohttp.ClientTimeout(connect=timeout, sock_connect=connect_timeout, sock_read=timeout)
         self._max_connections = max_connections
         self._tls = tls
-        self._keepalive_expiry = keepalive_expiry
         self._session: aiohttp.ClientSession | None = None
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]:
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=self._max_connections, ssl=self._tls, keepalive_timeout=self._keepalive_expiry
-            )
-            # No Accept-Encoding: replies are read as sent, as httpx's transport reads them.
-            self._session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("Accept-Encoding",))
-        timeout = request.extensions.get("timeout", {})
-        try:
-            async with self._session.request(
-                request.method,
-                str(request.url),
-                headers=request.headers.multi_items(),
-                data=request.content or None,
-                allow_redirects=False,
+            connector = aiohttp.TCPConnector(limit=self._max_connections, ssl=self._tls, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                timeout=self._timeout,
+                skip_auto_headers=("Accept-Encoding",),  # replies are read as sent, never compressed
                 auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(
-                    connect=timeout.get("pool"), sock_connect=timeout.get("connect"), sock_read=timeout.get("read")
-                ),
-            ) as response:
-                content = await response.read()
+            )
+        try:
+            async with self._session.request(method, url, headers=headers, data=content, allow_redirects=False) as reply:
+                return reply.status, await reply.read()
         except aiohttp.ClientError as exc:
-            raise _as_httpx_error(exc, request) from exc
-        return httpx.Response(response.status, headers=response.raw_headers, content=content, request=request)
+            raise _as_httpx_error(exc) from exc
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -258,7 +263,30 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._session = None
 
 
-def _as_httpx_error(exc: aiohttp.ClientError, request: httpx.Request) -> httpx.TransportError:
+class _TransportPool:
+    """An httpx transport in place of the network (``EngineClient(transport=...)``)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, headers: Mapping[str, str], timeout: httpx.Timeout) -> None:
+        self._transport = transport
+        self._headers = dict(headers)
+        self._timeout = timeout.as_dict()
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]:
+        request = httpx.Request(
+            method, url, headers={**self._headers, **headers}, content=content, extensions={"timeout": self._timeout}
+        )
+        response = await self._transport.handle_async_request(request)
+        return response.status_code, await response.aread()
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+
+def _as_httpx_error(exc: aiohttp.ClientError) -> httpx.TransportError:
+    """The httpx exception for an aiohttp failure, chosen by what it proves about the request:
+    only :class:`httpx.ConnectError` and :class:`httpx.ConnectTimeout` mean it never left."""
     # Subclasses first: a ConnectionTimeoutError is also a ServerTimeoutError, and every
     # ClientConnectorError is a ClientOSError.
     kind: type[httpx.TransportError]
@@ -274,16 +302,15 @@ def _as_httpx_error(exc: aiohttp.ClientError, request: httpx.Request) -> httpx.T
         kind = httpx.UnsupportedProtocol
     else:  # a reset, a cut-off body: the request may have been served
         kind = httpx.ReadError
-    return kind(str(exc) or type(exc).__name__, request=request)
+    return kind(str(exc) or type(exc).__name__)
 
 
-def _json_object(response: httpx.Response) -> dict[str, Any]:
-    url = str(response.request.url)
+def _json_object(content: bytes, url: str) -> dict[str, Any]:
     try:
-        data = strict_json.loads(response.content)
+        data = strict_json.loads(content)
     except ValueError as exc:
         raise EngineProtocolError(
-            f"engine reply is not valid JSON ({_describe(exc)}): {snippet(response.content, 128)}", url=url
+            f"engine reply is not valid JSON ({_describe(exc)}): {snippet(content, 128)}", url=url
         ) from exc
     if not isinstance(data, dict):
         raise EngineProtocolError(f"engine reply is JSON {type(data).__name__}, expected an object", url=url)
