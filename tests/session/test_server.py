@@ -1,6 +1,7 @@
 """The HTTP surface: routes, status codes, JSON errors, SSE, samples options, lifecycle."""
 
 import json
+import logging
 import threading
 import time
 
@@ -150,3 +151,56 @@ def test_max_sessions(serve) -> None:
     _error(harness.client.post("/sessions"), 409, "conflict_error")
     harness.client.delete(f"/sessions/{ids[0]}")
     assert harness.create()
+
+
+def test_head_and_method_errors(serve) -> None:
+    client = serve("v1").client
+    head = client.head("/health")
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
+    assert "allowed: POST" in _error(client.get("/sessions"), 405, "method_not_allowed_error")
+    _error(client.get("/sessions//samples"), 404, "not_found_error")
+    _error(client.put("/sessions/abc"), 405, "method_not_allowed_error")
+
+
+def test_an_internal_error_is_a_bounded_500_and_changes_nothing(tokenizer_dir, chat_tokenizer) -> None:
+    """An exception that is not a session error (a bug) answers 500 JSON without the traceback;
+    the server keeps serving."""
+    import httpx
+
+    from miles_core.plugins import MilesPluginManager
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import serve_in_thread
+    from miles_core.testing.engine_stub import ScriptedChat, StubEngine
+    from miles_core.testing.isolation import register_builtins
+
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(chat_tokenizer, name)
+
+        def render_prompt(self, *args, **kwargs):
+            raise RuntimeError("secret detail")
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    pm = MilesPluginManager()
+    register_builtins(pm)
+    log = Records()
+    with StubEngine(ScriptedChat(chat_tokenizer)) as stub:
+        config = SessionServerConfig(upstream_url=stub.url, tokenizer_dir=tokenizer_dir)
+        with serve_in_thread(config, pm=pm, tokenizer=Broken()) as url, httpx.Client(base_url=url) as client:
+            logging.getLogger("uvicorn.error").addHandler(log)
+            try:
+                sid = client.post("/sessions").json()["session_id"]
+                reply = client.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": [Q1]})
+                message = _error(reply, 500, "internal_error")
+                assert "RuntimeError" in message and "secret" not in message
+                assert client.get(f"/sessions/{sid}").json()["records"] == [] and stub.chat_requests() == []
+            finally:
+                logging.getLogger("uvicorn.error").removeHandler(log)
+    assert any(r.exc_info and "secret detail" in str(r.exc_info[1]) for r in log.records)  # the traceback is logged
