@@ -135,12 +135,16 @@ class SessionService:
     async def chat(self, session_id: str, body: bytes) -> ChatOutcome:
         session = self.get(session_id)
         request = normalize_chat_request(body)
+        stream, include_usage = request.stream, request.include_usage
         with session.generation(self.version.max_in_flight):
             plan = session.store.plan(request, self.tokenizer)
             try:
                 sent = strict_json.dumps(upstream_body(request, plan.prompt_ids))
             except ValueError as exc:
                 raise InvalidRequest(f"the request cannot be forwarded upstream: {exc}") from None
+            # The parsed history is not needed while the engine generates. Released now, its
+            # ~100 objects per session in flight stay out of every young garbage collection.
+            del request
             started = time.time()
             try:
                 reply, received = await self.engine.chat_completions_raw(sent, routing_key=session.id)
@@ -148,7 +152,7 @@ class SessionService:
                 raise upstream_error(exc) from exc
             completion = extract_completion(reply)
             session.store.commit(plan, completion, TurnRecord(sent, received, started, time.time()))
-        return ChatOutcome(client_reply(reply), request.stream, request.include_usage)
+        return ChatOutcome(client_reply(reply), stream, include_usage)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:
         """Validate a samples request; assembling (``assemble``) may then run off the event loop."""
