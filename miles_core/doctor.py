@@ -25,6 +25,7 @@ CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
     ("ci", "miles_core.ci.doctor:check"),
     ("session", "miles_core.session.doctor:check"),
     ("engine", "miles_core.engine.doctor:check"),
+    ("train", "miles_core.rl.doctor:check"),
 )
 
 

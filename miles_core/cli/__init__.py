@@ -22,6 +22,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "ci": ("miles_core.ci.cli:ci", "CI: test registrations, suites, sharding, runner, workflows."),
     "session": ("miles_core.session.cli:session", "Serve the token-in-token-out session server."),
     "engine": ("miles_core.engine.cli:engine", "Serve the embedded inference engine; list and build model presets."),
+    "train": ("miles_core.rl.cli:train", "Train a policy with RL (GRPO/PPO) end to end; --preset tiny runs on a CPU."),
 }
 
 

@@ -1,0 +1,303 @@
+"""The one configuration of ``miles train``: validated, documented, layered.
+
+Layers, later wins: a named preset (:data:`PRESETS`), a TOML file, then overrides
+(``section.key=value``; the CLI's flags are overrides too). Every setting is a field below with its
+meaning; an unknown key, a wrong type or an inconsistent combination raises
+:class:`~miles_core.errors.ConfigError` naming the setting (``rollout.samples_per_prompt``) and the
+rule, before any model, engine or worker starts.
+
+Importing this module costs pydantic only (no torch).
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from miles_core.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelSection(_Section):
+    """Which model is trained (and served to the engine). Exactly one of ``preset``/``path``."""
+
+    preset: str | None = Field(None, description="engine model preset built by code (tiny, small-gpu)")
+    path: str | None = Field(None, description="local Hugging Face model directory (config, safetensors, tokenizer)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training and serving dtype")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("set exactly one of model.preset and model.path")
+        return self
+
+
+class TaskSection(_Section):
+    """The RL task (from the ``miles_tasks`` hook) and, optionally, a replacement reward."""
+
+    name: str = Field("arith-add", description="task name, as listed by `miles plugins list`")
+    reward: str | None = Field(
+        None, description="'module:function' reward replacing the task's own (see docs/train.md)"
+    )
+
+
+class RolloutSection(_Section):
+    """How completions are produced."""
+
+    path: Literal["direct", "agentic"] = Field(
+        "direct",
+        description="direct: batched token-in generation through the engine; "
+        "agentic: episodes speak OpenAI chat through the session server",
+    )
+    prompts_per_step: int = Field(16, ge=1, description="prompts drawn per step")
+    samples_per_prompt: int = Field(8, ge=1, description="completions per prompt (the GRPO group size)")
+    max_new_tokens: int = Field(4, ge=1, description="token budget of one generated turn")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (the trainer uses the same)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(-1, description="top-k filter; <= 0 disables it")
+    session_version: str = Field("v1", description="session-server version for the agentic path")
+    max_turns: int = Field(1, ge=1, description="assistant turns per agentic episode")
+    concurrency: int = Field(64, ge=1, description="episodes in flight at once (agentic path)")
+
+
+class RewardSection(_Section):
+    """Where rewards that execute model output run."""
+
+    sandbox_provider: str = Field("local", description="sandbox provider for sandboxed rewards")
+    timeout_s: float = Field(60.0, gt=0, description="time limit of one batched sandbox check")
+
+
+class AlgorithmSection(_Section):
+    """GRPO advantages with a PPO-style clipped importance ratio against the rollout log-probs."""
+
+    name: Literal["grpo"] = Field("grpo", description="advantage estimator: group-normalised rewards")
+    scale_by_std: bool = Field(True, description="divide group-centred rewards by the group std")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - clip_low")
+    clip_high: float = Field(0.2, ge=0, description="ratio clipped above at 1 + clip_high")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL penalty to the initial policy")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+    epochs: int = Field(1, ge=1, description="passes over each step's rollouts")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per epoch")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+
+
+class TrainerSection(_Section):
+    """The trainer backend."""
+
+    backend: Literal["hf", "megatron"] = Field("hf", description="hf: transformers + torch; megatron: megatron-core")
+    device: str = Field("auto", description="auto (the selected hardware backend's device), cpu or cuda[:N]")
+    max_tokens_per_row: int = Field(4096, ge=8, description="token budget of one packed training row")
+    packing: bool = Field(True, description="pack documents into rows with position_ids restarting at 0")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    mtp_num_layers: int = Field(0, ge=0, le=3, description="multi-token-prediction depths (megatron only)")
+    mtp_loss_coef: float = Field(0.1, ge=0, description="weight of the MTP loss (megatron only)")
+
+
+class OrchestratorSection(_Section):
+    """Where the engine, trainer and rollout workers run."""
+
+    kind: Literal["inprocess", "ray"] = Field("inprocess", description="inprocess (one machine) or ray")
+    address: str | None = Field(None, description="Ray cluster address; implies kind = ray")
+    rollout_workers: int = Field(1, ge=1, description="rollout worker actors (ray)")
+    num_cpus_per_actor: float = Field(0.5, gt=0, description="CPUs reserved per actor in the placement group")
+    num_gpus_engine: float = Field(0.0, ge=0, description="GPUs reserved for the engine actor")
+    num_gpus_trainer: float = Field(0.0, ge=0, description="GPUs reserved for the trainer actor")
+
+
+class RunSection(_Section):
+    """Length, seeds, outputs, evaluation and checkpoints."""
+
+    steps: int = Field(100, ge=1, description="training steps")
+    seed: int = Field(0, ge=0, description="seed of prompts order, sampling and initialisation")
+    out_dir: str = Field("runs/miles", description="metrics.jsonl, plot.png, checkpoints/ go here")
+    eval_every: int = Field(5, ge=0, description="greedy evaluation on every prompt each N steps (0: never)")
+    stop_at_accuracy: float | None = Field(
+        None, ge=0, le=1, description="stop once greedy accuracy reaches this (needs eval_every > 0)"
+    )
+    time_limit_s: float | None = Field(
+        None, gt=0, description="stop after the step during which this much time (from the first step) passed"
+    )
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint each N steps (0: only at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="most recent checkpoints kept")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads on CPU")
+    progress: bool = Field(True, description="live progress bar on stderr")
+    plot: bool = Field(True, description="write plot.png when the run ends")
+
+
+class TrainConfig(_Section):
+    """Everything ``miles train`` needs; see each section."""
+
+    model: ModelSection = Field(default_factory=lambda: ModelSection(preset="tiny"))
+    task: TaskSection = TaskSection()
+    rollout: RolloutSection = RolloutSection()
+    reward: RewardSection = RewardSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    trainer: TrainerSection = TrainerSection()
+    orchestrator: OrchestratorSection = OrchestratorSection()
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.rollout.path == "direct" and self.rollout.max_turns != 1:
+            raise ValueError("rollout.max_turns > 1 needs rollout.path = 'agentic' (direct is single-turn)")
+        if self.algorithm.name == "grpo" and self.rollout.samples_per_prompt < 2:
+            raise ValueError("rollout.samples_per_prompt must be >= 2 for grpo (a group needs two samples)")
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if self.algorithm.minibatches > batch:
+            raise ValueError(
+                f"algorithm.minibatches ({self.algorithm.minibatches}) exceeds the samples per step ({batch})"
+            )
+        if self.run.stop_at_accuracy is not None and self.run.eval_every == 0:
+            raise ValueError("run.stop_at_accuracy needs run.eval_every > 0")
+        if self.trainer.backend != "megatron" and self.trainer.mtp_num_layers:
+            raise ValueError("trainer.mtp_num_layers needs trainer.backend = 'megatron'")
+        if self.orchestrator.address is not None and self.orchestrator.kind != "ray":
+            raise ValueError("orchestrator.address is set: orchestrator.kind must be 'ray'")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+#: named starting points; a TOML file and overrides apply on top
+PRESETS: dict[str, dict[str, Any]] = {
+    # 2-core CPU, minutes: the arithmetic task on the tiny Qwen3.5 through the session server.
+    "tiny": {
+        "model": {"preset": "tiny", "dtype": "float32"},
+        "task": {"name": "arith-add"},
+        "rollout": {
+            "path": "agentic",
+            "prompts_per_step": 8,
+            "samples_per_prompt": 16,
+            "max_new_tokens": 1,
+            "session_version": "v1",
+        },
+        "algorithm": {"lr": 1e-3},
+        "trainer": {"backend": "hf", "device": "auto", "max_tokens_per_row": 1024},
+        "run": {"steps": 200, "eval_every": 5, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
+    },
+    # One GPU: the ~0.5B Qwen3.5-architecture preset in bf16, in-process.
+    "small-gpu": {
+        "model": {"preset": "small-gpu", "dtype": "bfloat16"},
+        "task": {"name": "arith-add"},
+        "rollout": {"path": "direct", "prompts_per_step": 55, "samples_per_prompt": 16, "max_new_tokens": 64},
+        "algorithm": {"lr": 1e-5},
+        "trainer": {"backend": "hf", "device": "cuda", "max_tokens_per_row": 8192},
+        "run": {"steps": 5, "eval_every": 5, "out_dir": "runs/small-gpu", "checkpoint_every": 0},
+    },
+}
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"rollout.temperature=0.7"`` -> ``{"rollout": {"temperature": 0.7}}``.
+
+    The value is parsed as a TOML value (numbers, booleans, quoted strings, arrays); anything that
+    is not valid TOML is taken as a bare string.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r}: expected SECTION.KEY=VALUE")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    parts = key.split(".")
+    nested: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        nested = {part: nested}
+    return nested
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+#: settings that exclude each other: a layer that sets one drops the other from the layers below
+_EXCLUSIVE = (("model", "preset", "path"),)
+
+
+def _apply_layer(data: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    for section, *keys in _EXCLUSIVE:
+        given = layer.get(section, {})
+        for key in keys:
+            if isinstance(given, Mapping) and key in given:
+                for other in keys:
+                    if other != key and other not in given:
+                        data.get(section, {}).pop(other, None)
+    return _merge(data, layer)
+
+
+def load_config(
+    preset: str | None = None,
+    file: str | Path | None = None,
+    overrides: Iterable[str | Mapping[str, Any]] = (),
+) -> TrainConfig:
+    """Build and validate the configuration from its layers (see module doc)."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+        data = _apply_layer(data, PRESETS[preset])
+        source = f"preset {preset!r}"
+    if file is not None:
+        data = _apply_layer(data, read_toml(file))
+        source = f"config file {file}"
+    for override in overrides:
+        data = _apply_layer(data, parse_override(override) if isinstance(override, str) else override)
+        source = "overrides"
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    """One line per problem: ``rollout.samples_per_prompt: <rule> (got 1)``."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            section = ".".join(str(p) for p in err["loc"][:-1])
+            message = f"unknown setting{' in ' + section if section else ''}"
+        got = f" (got {err['input']!r})" if err["type"] not in ("extra_forbidden", "value_error") else ""
+        lines.append(f"{where}: {message}{got}")
+    return f"invalid training config ({source}): " + "; ".join(lines)
+
+
+def describe_settings() -> list[tuple[str, str, Any]]:
+    """Every setting as ``(dotted name, description, default)``, for docs and ``--help``."""
+    rows: list[tuple[str, str, Any]] = []
+    for section_name, section_field in TrainConfig.model_fields.items():
+        section_cls = section_field.annotation
+        for name, field in section_cls.model_fields.items():  # type: ignore[union-attr]
+            rows.append((f"{section_name}.{name}", field.description or "", field.default))
+    return rows

@@ -1,0 +1,259 @@
+"""The RL loop, top to bottom.
+
+    for each step:
+        prompts      <- the sampler (seeded permutation per epoch; its cursor is checkpointed)
+        trajectories <- rollout (direct: batched token-in generation; agentic: session server)
+        rewards      <- the task's reward (in-process, or one batched check in a warm sandbox)
+        advantages   <- GRPO group normalisation
+        update       <- packed rows, PPO-clipped loss against the rollout log-probs, optimizer step
+        sync         <- the trainer's weights into the engine (new weight version)
+        record       <- one JSONL line; a checkpoint every N steps
+
+Greedy evaluation (every prompt, temperature 0) runs at the start of a step, on the policy that
+is about to produce that step's rollouts, and once more when the run ends.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_core.errors import ConfigError
+from miles_core.rl.checkpoint import (
+    LoopState,
+    check_resumable,
+    list_checkpoints,
+    read_state,
+    restore_rng,
+    save_checkpoint,
+)
+from miles_core.rl.config import TrainConfig
+from miles_core.rl.metrics import MetricsLog, Progress, plot_run
+from miles_core.rl.rollout.types import Trajectory
+from miles_core.rl.tasks import Prompt
+
+
+class PromptSampler:
+    """``per_step`` prompts at a time from a fresh seeded permutation each epoch."""
+
+    def __init__(self, prompts: Sequence[Prompt], per_step: int, seed: int) -> None:
+        self.prompts = list(prompts)
+        self.per_step = per_step
+        self.seed = seed
+        self.epoch, self.offset = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> list[Prompt]:
+        out = []
+        while len(out) < self.per_step:
+            order = self._order(self.epoch)
+            take = order[self.offset : self.offset + self.per_step - len(out)]
+            out += [self.prompts[i] for i in take]
+            self.offset += len(take)
+            if self.offset >= len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+    @property
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def restore(self, cursor: dict[str, int]) -> None:
+        self.epoch, self.offset = cursor["epoch"], cursor["offset"]
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    steps_done: int
+    initial_accuracy: float | None
+    final_accuracy: float | None
+    stopped_early: bool
+    seconds: float
+    records: list[dict[str, Any]]
+    report: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        last = self.records[-1] if self.records else {}
+        return {
+            "out_dir": str(self.out_dir),
+            "steps": self.steps_done,
+            "initial_accuracy": self.initial_accuracy,
+            "final_accuracy": self.final_accuracy,
+            "stopped_early": self.stopped_early,
+            "seconds": round(self.seconds, 2),
+            "last": last,
+            "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in self.records), default=None),
+            "metrics": str(self.out_dir / "metrics.jsonl"),
+            "plot": str(self.out_dir / "plot.png") if (self.out_dir / "plot.png").exists() else None,
+            "report": self.report,
+        }
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.split: dict[str, float] = {}
+
+    def time(self, key: str) -> _Span:
+        return _Span(self, key)
+
+
+class _Span:
+    def __init__(self, timer: Timer, key: str) -> None:
+        self.timer, self.key = timer, key
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.perf_counter() - self.started
+        self.timer.split[self.key] = self.timer.split.get(self.key, 0.0) + elapsed
+
+
+def evaluate(runtime: Any, prompts: Sequence[Prompt]) -> float:
+    """Share of prompts whose greedy completion earns reward 1."""
+    trajectories = runtime.evaluator.run(prompts, step=0, greedy=True)
+    rewards = runtime.rewards.score([t.reward_input() for t in trajectories])
+    return sum(1 for r in rewards if r >= 1.0) / len(rewards)
+
+
+def make_documents(trajectories: Sequence[Trajectory], rewards: Sequence[float], group_size: int, scale_by_std: bool) -> list[Any]:
+    import torch
+
+    from miles_core.rl.algorithms import group_advantages
+
+    advantages = group_advantages(torch.tensor(rewards), group_size, scale_by_std=scale_by_std)
+    return [t.document(float(a)) for t, a in zip(trajectories, advantages, strict=True)]
+
+
+def train(
+    config: TrainConfig,
+    pm: Any,
+    *,
+    resume: bool = False,
+    build: Callable[[TrainConfig, Any], Any] | None = None,
+) -> RunResult:
+    """Run (or resume) training; ``build`` assembles the runtime (in-process by default)."""
+    out_dir = Path(config.run.out_dir)
+    metrics = MetricsLog(out_dir / "metrics.jsonl")
+    checkpoint = _resume_point(out_dir, config) if resume else None
+    if not resume and metrics.read():
+        raise ConfigError(f"run.out_dir: {out_dir} already holds a run (metrics.jsonl); pass --resume or another --out")
+    if build is None:
+        from miles_core.rl.runtime import build_inprocess as build
+    started = time.perf_counter()
+    runtime = build(config, pm)
+    try:
+        return _run(config, runtime, metrics, checkpoint, started)
+    finally:
+        runtime.close()
+
+
+def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
+    checkpoints = list_checkpoints(out_dir)
+    if not checkpoints:
+        if (out_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"--resume: {out_dir} has metrics but no complete checkpoint to resume from")
+        return None
+    check_resumable(read_state(checkpoints[-1]).config, config.to_dict())
+    return checkpoints[-1]
+
+
+def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Path | None, started: float) -> RunResult:
+    task, rollout_cfg, run_cfg = runtime.task, config.rollout, config.run
+    prompts = list(task.prompts())
+    sampler = PromptSampler(prompts, rollout_cfg.prompts_per_step, run_cfg.seed)
+    first_step, version = 0, runtime.engine.weight_version
+    if checkpoint is not None:
+        state = read_state(checkpoint)
+        runtime.trainer.load(checkpoint)
+        restore_rng(checkpoint)
+        sampler.restore(state.cursor)
+        version = runtime.sync_weights(state.weight_version)
+        metrics.truncate_after(state.step)
+        first_step = state.step + 1
+    records = metrics.read()
+    initial_accuracy = next((r["greedy_accuracy"] for r in records if r.get("greedy_accuracy") is not None), None)
+    progress = Progress(run_cfg.steps, first_step, run_cfg.progress)
+    accuracy, stopped_early, step = None, False, first_step - 1
+    loop_started = time.perf_counter()
+    try:
+        for step in range(first_step, run_cfg.steps):
+            timer = Timer()
+            step_started = time.perf_counter()
+
+            accuracy = None
+            if task.has_accuracy and run_cfg.eval_every and step % run_cfg.eval_every == 0:
+                with timer.time("eval"):
+                    accuracy = evaluate(runtime, prompts)
+                if initial_accuracy is None:
+                    initial_accuracy = accuracy
+                if run_cfg.stop_at_accuracy is not None and accuracy >= run_cfg.stop_at_accuracy:
+                    stopped_early = True
+                    step -= 1
+                    break
+
+            batch = [p for p in sampler.next() for _ in range(rollout_cfg.samples_per_prompt)]
+            with timer.time(f"rollout_{runtime.rollout_via}"):
+                trajectories = runtime.rollout.run(batch, step)
+            with timer.time(f"reward_{runtime.rewards.where}"):
+                rewards = runtime.rewards.score([t.reward_input() for t in trajectories])
+            docs = make_documents(trajectories, rewards, rollout_cfg.samples_per_prompt, config.algorithm.scale_by_std)
+            with timer.time("train"):
+                stats = runtime.trainer.train(docs)
+            with timer.time("sync"):
+                version = runtime.sync_weights(f"step-{step + 1}")
+
+            step_time = time.perf_counter() - step_started
+            generated = sum(t.generated_tokens for t in trajectories)
+            rollout_time = timer.split[f"rollout_{runtime.rollout_via}"]
+            record = {
+                "step": step,
+                "weight_version": version,
+                "reward_mean": sum(rewards) / len(rewards),
+                "greedy_accuracy": accuracy,
+                "response_length_mean": generated / len(trajectories),
+                "turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
+                "rollout_weight_versions": sorted({t.weight_version for t in trajectories}),
+                **stats,
+                **{f"time_{k}": round(v, 4) for k, v in timer.split.items()},
+                "time_step": round(step_time, 4),
+                "tokens_per_s": generated / step_time,
+                "rollout_tokens_per_s": generated / rollout_time if rollout_time else 0.0,
+                "train_tokens_per_s": stats["train_tokens"] / timer.split["train"],
+                "elapsed_s": round(time.perf_counter() - started, 3),
+            }
+            metrics.append(record)
+            progress.update(record)
+            out_of_time = run_cfg.time_limit_s is not None and time.perf_counter() - loop_started > run_cfg.time_limit_s
+            last = step == run_cfg.steps - 1 or out_of_time
+            if (run_cfg.checkpoint_every and (step + 1) % run_cfg.checkpoint_every == 0) or last:
+                state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
+                save_checkpoint(Path(run_cfg.out_dir), runtime.trainer, state, run_cfg.keep_checkpoints)
+            if out_of_time:
+                break
+        if not stopped_early and task.has_accuracy and run_cfg.eval_every:
+            accuracy = evaluate(runtime, prompts)
+    finally:
+        progress.close()
+    records = metrics.read()
+    if run_cfg.plot and records:
+        plot_run(records, Path(run_cfg.out_dir) / "plot.png", f"miles train: {config.task.name}")
+    return RunResult(
+        out_dir=Path(run_cfg.out_dir),
+        steps_done=step + 1,
+        initial_accuracy=initial_accuracy,
+        final_accuracy=accuracy,
+        stopped_early=stopped_early,
+        seconds=time.perf_counter() - started,
+        records=records,
+        report=runtime.trainer.report,
+    )

@@ -1,0 +1,340 @@
+"""Ray orchestration: the engine, the trainer and the rollout workers as actors in one placement group.
+
+The driver keeps the loop, the prompt sampler and the rewards; it talks to the actors through
+:class:`~miles_core.rl.runtime.Runtime`, exactly as in-process. Each actor, before building
+anything, compares its own plugin fingerprint (``pm.fingerprint()``) with the driver's and
+refuses to start on a mismatch; after building, the engine and trainer actors must report the
+same applied patches (they load the same model). Weights move trainer -> engine as one object
+reference, without passing through the driver. Actor environments come from the hardware
+backend's ``worker_env(role)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from miles_core.errors import ActivationError, MilesError
+from miles_core.rl.aio import BackgroundLoop
+from miles_core.rl.config import TrainConfig
+from miles_core.rl.rewards import RewardRunner
+from miles_core.rl.runtime import Runtime, engine_batch_size, model_directory, resolve_task
+from miles_core.rl.tasks import Prompt, resolve_reward
+
+
+class FingerprintMismatch(MilesError):
+    pass
+
+
+def _plugin_set(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The plugins part of a fingerprint (patches are applied later, when a model is built)."""
+    import hashlib
+    import json
+
+    plugins = fingerprint["plugins"]
+    digest = hashlib.sha256(json.dumps(plugins, sort_keys=True).encode()).hexdigest()
+    return {"plugins": plugins, "applied_patches": {}, "digest": digest}
+
+
+def check_fingerprint(expected: dict[str, Any], role: str) -> dict[str, Any]:
+    """This process's fingerprint, or :class:`FingerprintMismatch` naming every difference in the
+    loaded plugins (names, distributions, versions, status). Applied patches are compared once the
+    engine and trainer have built their models (:func:`build_ray`)."""
+    from miles_core.plugins import fingerprint_mismatch, get_plugin_manager
+
+    actual = get_plugin_manager().fingerprint()
+    diffs = fingerprint_mismatch(_plugin_set(expected), _plugin_set(actual))
+    if diffs:
+        raise FingerprintMismatch(f"{role} worker loaded different plugins than the driver: " + "; ".join(diffs))
+    return actual
+
+
+class EngineWorker:
+    """Hosts the embedded engine (and, for the agentic path, its HTTP server + session server)."""
+
+    def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any], num_prompts: int) -> None:
+        import torch
+
+        from miles_core.engine.engine import Engine, EngineConfig
+        from miles_core.rl.runtime import resolve_device
+
+        check_fingerprint(expected, "engine")
+        torch.set_num_threads(config.run.torch_threads)
+        device = resolve_device(config.trainer.device)
+        self.engine = Engine.from_pretrained(model_dir, EngineConfig(
+            max_batch_size=engine_batch_size(config, num_prompts), dtype=config.model.dtype, device=str(device),
+            seed=config.run.seed, cpu_threads=config.run.torch_threads,
+        ))
+        self.config = config
+        self.model_dir = model_dir
+        self._stack: Any = None
+
+    def serve_sessions(self) -> str:
+        """Start the engine's HTTP server and a session server in front of it; their URL."""
+        from contextlib import ExitStack
+
+        from miles_core.engine.server import create_app
+        from miles_core.plugins import get_plugin_manager
+        from miles_core.session.config import SessionServerConfig
+        from miles_core.session.embed import run_app_in_thread, serve_in_thread
+
+        self._stack = ExitStack()
+        engine_url = self._stack.enter_context(run_app_in_thread(create_app(self.engine)))
+        url = self._stack.enter_context(serve_in_thread(
+            SessionServerConfig(upstream_url=engine_url, tokenizer_dir=self.model_dir,
+                                version=self.config.rollout.session_version),
+            host="0.0.0.0", pm=get_plugin_manager(),
+        ))
+        import ray
+
+        return url.replace("0.0.0.0", ray.util.get_node_ip_address())
+
+    def fingerprint(self) -> dict[str, Any]:
+        from miles_core.plugins import get_plugin_manager
+
+        return get_plugin_manager().fingerprint()
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        return self.engine.generate(requests)
+
+    def update_weights(self, weights: dict[str, Any], version: str) -> str:
+        return self.engine.update_weights(weights, version)
+
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self.engine.close()
+
+
+class TrainerWorker:
+    def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any]) -> None:
+        from pathlib import Path
+
+        import torch
+
+        from miles_core.rl.runtime import resolve_device
+        from miles_core.rl.trainers.base import trainer_class
+
+        check_fingerprint(expected, "trainer")
+        torch.set_num_threads(config.run.torch_threads)
+        torch.manual_seed(config.run.seed)
+        self.trainer = trainer_class(config.trainer.backend)(Path(model_dir), config, resolve_device(config.trainer.device))
+
+    def fingerprint(self) -> dict[str, Any]:
+        from miles_core.plugins import get_plugin_manager
+
+        return get_plugin_manager().fingerprint()
+
+    def close(self) -> None:
+        getattr(self.trainer, "close", lambda: None)()
+
+    def report(self) -> dict[str, Any]:
+        return self.trainer.report
+
+    def train(self, docs: Sequence[Any]) -> dict[str, float]:
+        return self.trainer.train(docs)
+
+    def engine_weights(self) -> dict[str, Any]:
+        return {k: v.cpu() for k, v in self.trainer.engine_weights().items()}
+
+    def save(self, directory: str) -> None:
+        from pathlib import Path
+
+        self.trainer.save(Path(directory))
+
+    def load(self, directory: str) -> None:
+        from pathlib import Path
+
+        self.trainer.load(Path(directory))
+
+
+class RolloutWorker:
+    """Runs a slice of each step's rollouts: direct through the engine actor, or agentic
+    episodes through the session server the engine actor hosts."""
+
+    def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any], engine: Any,
+                 session_url: str | None) -> None:
+        from transformers import AutoTokenizer
+
+        from miles_core.plugins import get_plugin_manager
+
+        check_fingerprint(expected, "rollout")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.aio = BackgroundLoop()
+        if session_url is None:
+            from miles_core.rl.rollout.direct import DirectRollout
+
+            self.rollout: Any = DirectRollout(_EngineHandle(engine), tokenizer, config.rollout, config.run.seed)
+        else:
+            from miles_core.rl.rollout.agentic import AgenticRollout, tool_sandbox
+
+            pm = get_plugin_manager()
+            tools = getattr(resolve_task(config, pm), "tools", ())
+            sandbox = tool_sandbox(config, pm, self.aio, tools)
+            self.rollout = AgenticRollout(session_url, tokenizer, config.rollout, config.run.seed, self.aio, tools, sandbox)
+
+    def run(self, prompts: Sequence[Prompt], step: int, first_index: int) -> list[Any]:
+        return self.rollout.run(prompts, step, first_index=first_index)
+
+    def close(self) -> None:
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+        self.aio.close()
+
+
+class _EngineHandle:
+    """What DirectRollout needs from an engine, over a Ray actor handle."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        import ray
+
+        return ray.get(self.actor.generate.remote(list(requests)))
+
+
+class _RayEngine:
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.handle = _EngineHandle(actor)
+
+    @property
+    def weight_version(self) -> str:
+        import ray
+
+        return ray.get(self.actor.weight_version.remote())
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        return self.handle.generate(requests)
+
+    def update_weights(self, weights: Any, version: str) -> str:
+        import ray
+
+        return ray.get(self.actor.update_weights.remote(weights, version))
+
+
+class _RayTrainer:
+    def __init__(self, actor: Any, report: dict[str, Any]) -> None:
+        self.actor = actor
+        self.report = report
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args))
+
+    def train(self, docs: Sequence[Any]) -> dict[str, float]:
+        return self._call("train", list(docs))
+
+    def engine_weights(self) -> Any:
+        return self.actor.engine_weights.remote()  # an object ref: the engine actor resolves it
+
+    def save(self, directory: Any) -> None:
+        self._call("save", str(directory))
+
+    def load(self, directory: Any) -> None:
+        self._call("load", str(directory))
+
+
+class _RayRollout:
+    """Splits a batch across rollout workers in contiguous slices; results in batch order."""
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self.workers = list(workers)
+
+    def run(self, prompts: Sequence[Prompt], step: int) -> list[Any]:
+        import ray
+
+        n = len(self.workers)
+        size = -(-len(prompts) // n)
+        refs = [w.run.remote(list(prompts[i * size:(i + 1) * size]), step, i * size)
+                for i, w in enumerate(self.workers) if prompts[i * size:(i + 1) * size]]
+        return [t for part in ray.get(refs) for t in part]
+
+
+def build_ray(config: TrainConfig, pm: Any) -> Runtime:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from transformers import AutoTokenizer
+
+    from miles_core.hardware import activate
+    from miles_core.rl.rollout.direct import DirectRollout
+
+    task = resolve_task(config, pm)
+    reward = resolve_reward(config.task.reward) if config.task.reward else task.reward
+    model_dir = str(model_directory(config))
+    orch = config.orchestrator
+    hardware = activate()
+    expected = pm.fingerprint()
+    closers: list[Any] = []
+
+    if not ray.is_initialized():
+        ray.init(address=orch.address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": hardware.worker_env("rollout")})
+        closers.append(ray.shutdown)
+    cpu = orch.num_cpus_per_actor
+    bundles = [{"CPU": cpu, **({"GPU": orch.num_gpus_engine} if orch.num_gpus_engine else {})},
+               {"CPU": cpu, **({"GPU": orch.num_gpus_trainer} if orch.num_gpus_trainer else {})},
+               *[{"CPU": cpu} for _ in range(orch.rollout_workers)]]
+    group = placement_group(bundles, strategy="PACK")
+    closers.append(lambda: remove_placement_group(group))
+    try:
+        ray.get(group.ready(), timeout=120)
+
+        def actor(cls: type, index: int, role: str, gpus: float = 0.0) -> Any:
+            return ray.remote(cls).options(
+                num_cpus=cpu, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index),
+                runtime_env={"env_vars": hardware.worker_env(role)},
+            )
+
+        trainer_actor = actor(TrainerWorker, 1, "train", orch.num_gpus_trainer).remote(config, model_dir, expected)
+        engine_actor = actor(EngineWorker, 0, "rollout", orch.num_gpus_engine).remote(
+            config, model_dir, expected, len(task.prompts()))
+        closers.append(lambda: ray.get(engine_actor.close.remote()))
+        closers.append(lambda: ray.get(trainer_actor.close.remote()))
+        report = ray.get(trainer_actor.report.remote())
+        trainer_print, engine_print = ray.get([trainer_actor.fingerprint.remote(), engine_actor.fingerprint.remote()])
+        if trainer_print["applied_patches"] != engine_print["applied_patches"]:
+            raise FingerprintMismatch(
+                f"trainer and engine applied different patches: {trainer_print['applied_patches']} vs "
+                f"{engine_print['applied_patches']}")
+        session_url = ray.get(engine_actor.serve_sessions.remote()) if config.rollout.path == "agentic" else None
+        workers = [actor(RolloutWorker, 2 + i, "rollout").remote(config, model_dir, expected, engine_actor, session_url)
+                   for i in range(orch.rollout_workers)]
+        closers.append(lambda: ray.get([w.close.remote() for w in workers]))
+        aio = BackgroundLoop()
+        closers.append(aio.close)
+        rewards = RewardRunner(reward, config.reward, pm, aio)
+        closers.append(rewards.close)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        engine = _RayEngine(engine_actor)
+        evaluator = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
+        via = "direct" if session_url is None else f"session_{config.rollout.session_version}"
+        report = {**report, "orchestrator": "ray", "fingerprint": expected["digest"],
+                  "actors": {"engine": 1, "trainer": 1, "rollout": orch.rollout_workers}}
+        return Runtime(config, task, tokenizer, engine, _RayTrainer(trainer_actor, report), _RayRollout(workers),
+                       evaluator, rewards, aio, f"{via}_ray", closers)
+    except BaseException as exc:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as cleanup:  # keep the original error; say what cleanup hit too
+                exc.add_note(f"while cleaning up: {type(cleanup).__name__}: {cleanup}")
+        cause = _unwrap(exc)
+        if cause is not exc:
+            raise cause from exc
+        raise
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The miles error inside a Ray actor failure, so the CLI reports it plainly."""
+    cause = getattr(exc, "cause", None)
+    while cause is not None and not isinstance(cause, (MilesError, ActivationError)):
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    return cause if isinstance(cause, MilesError) else exc

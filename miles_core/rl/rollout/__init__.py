@@ -1,0 +1,1 @@
+"""Rollout paths: ``direct`` (batched token-in generation) and ``agentic`` (session server)."""

@@ -1,0 +1,79 @@
+"""The direct rollout path: prompts tokenized once, generated in one batch, token-exact.
+
+The engine receives ``input_ids`` and returns the sampled ids with their log-probs; nothing is
+re-rendered or re-tokenized, so the trainer sees exactly what was sampled. ``engine`` is anything
+with ``generate(list[GenerationRequest]) -> list[Completion]`` (the embedded engine in-process,
+or its Ray actor proxy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from miles_core.rl.config import RolloutSection
+from miles_core.rl.rollout.types import Trajectory, sample_seed
+from miles_core.rl.tasks import Prompt
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Chat-template models get the rendered chat; others the plain prompt text."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+
+
+class DirectRollout:
+    def __init__(self, engine: Any, tokenizer: Any, settings: RolloutSection, run_seed: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.run_seed = run_seed
+        self._prompt_ids: dict[str, list[int]] = {}
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if prompt.id not in self._prompt_ids:
+            self._prompt_ids[prompt.id] = render_prompt(self.tokenizer, prompt)
+        return self._prompt_ids[prompt.id]
+
+    def sampling(self, *, greedy: bool, seed: int | None) -> Any:
+        from miles_core.engine.base import SamplingParams
+
+        s = self.settings
+        if greedy:
+            return SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0)
+        return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                              top_k=s.top_k, seed=seed)
+
+    def run(self, prompts: Sequence[Prompt], step: int, *, greedy: bool = False, first_index: int = 0) -> list[Trajectory]:
+        """One completion per prompt (the caller repeats prompts for groups), in order.
+
+        Sample ``i`` is seeded by ``(run seed, step, first_index + i)``: splitting a batch across
+        workers (``first_index`` = the slice's offset) samples exactly the same tokens."""
+        from miles_core.engine.base import GenerationRequest
+
+        requests = [
+            GenerationRequest(
+                input_ids=self.prompt_ids(p),
+                sampling=self.sampling(greedy=greedy, seed=None if greedy else sample_seed(self.run_seed, step, i)),
+            )
+            for i, p in enumerate(prompts, start=first_index)
+        ]
+        completions = self.engine.generate(requests)
+        return [self._trajectory(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+    def _trajectory(self, prompt: Prompt, completion: Any) -> Trajectory:
+        response = tuple(completion.token_ids)
+        return Trajectory(
+            prompt=prompt,
+            token_ids=tuple(completion.prompt_ids) + response,
+            response_length=len(response),
+            loss_mask=(1,) * len(response),
+            rollout_logprobs=tuple(completion.logprobs),
+            completion=self.tokenizer.decode(response, skip_special_tokens=True),
+            first_token=self.tokenizer.decode(response[:1]),
+            turns=1,
+            finish_reason=completion.finish_reason,
+            weight_version=completion.weight_version,
+        )

@@ -1,0 +1,65 @@
+"""A sandbox kept warm for a whole run, running small programs on JSON input.
+
+Rewards and agent tools that execute model output share this pattern: the program is written
+into the sandbox once; each call writes its input to a fresh file and runs ``python3 PROGRAM
+INPUT``. Calls may overlap (each has its own input file). Lives on the run's event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from miles_core.rl.aio import BackgroundLoop
+
+
+class SandboxCallError(RuntimeError):
+    pass
+
+
+class WarmSandbox:
+    def __init__(self, pm: Any, provider: str, role: str, aio: BackgroundLoop, timeout_s: float) -> None:
+        self.provider_name = provider
+        self.aio = aio
+        self.timeout_s = timeout_s
+        self._programs: set[str] = set()
+        self._manager, self._sandbox = aio.run(self._start(pm, role))
+
+    async def _start(self, pm: Any, role: str) -> tuple[Any, Any]:
+        from miles_core.sandbox.base import SandboxSpec
+        from miles_core.sandbox.lifecycle import SandboxManager
+
+        contribution = pm.contribution("sandbox", self.provider_name)
+        pm.verify(contribution, contribution.obj.verify)
+        manager = SandboxManager(contribution.obj.create())
+        sandbox = await manager.create(SandboxSpec(labels={"miles.role": role}))
+        return manager, sandbox
+
+    async def install(self, name: str, program: str) -> None:
+        await self._sandbox.write_file(name, program)
+        self._programs.add(name)
+
+    async def call(self, program: str, payload: Any, what: str) -> str:
+        """Run an installed program on ``payload`` (JSON); its stdout, or a named error."""
+        if program not in self._programs:
+            raise SandboxCallError(f"{what}: program {program!r} is not installed")
+        path = f"input-{uuid.uuid4().hex}.json"
+        await self._sandbox.write_file(path, json.dumps(payload))
+        result = await self._sandbox.exec(["python3", program, path], timeout=self.timeout_s)
+        if result.timed_out or result.exit_code != 0:
+            raise SandboxCallError(
+                f"{what} failed in sandbox provider {self.provider_name!r} (exit {result.exit_code}, "
+                f"timed out {result.timed_out}): {result.stderr[-500:]}"
+            )
+        return result.stdout
+
+    def close(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            self.aio.run(_close(manager))
+
+
+async def _close(manager: Any) -> None:
+    await manager.aclose()
+    await manager.provider.aclose()

@@ -1,0 +1,1 @@
+"""Trainer backends (``trainer.backend``): ``hf`` and ``megatron``; see :mod:`.base`."""

@@ -1,0 +1,67 @@
+"""Agentic episodes through the session server: multi-turn tool use with the tool run in the local
+sandbox, token-exact samples (observation tokens untrained), and the same seeds -> same episodes."""
+
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
+
+pytest.importorskip("miles_core.session.embed")
+pytest.importorskip("miles_core.testing.engine_stub")
+
+LOOKUP = """\
+import json, sys
+args = json.load(open(sys.argv[1]))
+print("found " + args["query"].upper(), end="")
+"""
+
+
+@pytest.fixture
+def agentic(tmp_path):
+    from contextlib import ExitStack
+
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import serve_in_thread
+    from miles_core.session.tokenizer import ChatTokenizer
+    from miles_core.testing.engine_stub import ScriptedChat, StubEngine
+    from transformers import AutoTokenizer
+
+    from miles_core.assets.tiny_tokenizer import tiny_tokenizer_dir
+    from miles_core.plugins import get_plugin_manager
+    from miles_core.rl.aio import BackgroundLoop
+    from miles_core.rl.config import load_config
+    from miles_core.rl.rollout.agentic import AgenticRollout, tool_sandbox
+    from miles_core.rl.tasks import SandboxTool
+
+    directory = tiny_tokenizer_dir()
+    config = load_config("tiny", overrides=["rollout.max_turns=3", "rollout.max_new_tokens=64"])
+    pm = get_plugin_manager()
+    tool = SandboxTool("lookup", "look a word up", {"type": "object", "properties": {"query": {"type": "string"}}}, LOOKUP)
+    with ExitStack() as stack:
+        stub = stack.enter_context(StubEngine(ScriptedChat(ChatTokenizer.from_dir(directory))))
+        url = stack.enter_context(serve_in_thread(SessionServerConfig(upstream_url=stub.url, tokenizer_dir=directory), pm=pm))
+        aio = BackgroundLoop()
+        stack.callback(aio.close)
+        sandbox = tool_sandbox(config, pm, aio, [tool])
+        stack.callback(sandbox.close)
+        rollout = AgenticRollout(url, AutoTokenizer.from_pretrained(directory), config.rollout, 0, aio, [tool], sandbox)
+        stack.callback(rollout.close)
+        yield rollout
+
+
+def test_multi_turn_tool_episode_is_recorded_token_exactly(agentic):
+    from miles_core.rl.tasks import Prompt
+
+    prompt = Prompt(id="q", text="call gpu", answer="", messages=({"role": "user", "content": "call gpu"},))
+    (episode,) = agentic.run([prompt], step=0)
+    assert episode.turns == 2  # a tool call, then an answer that reads the tool's output
+    assert "found GPU" in episode.completion  # the sandboxed tool ran and the model saw its result
+    mask = episode.loss_mask
+    assert len(mask) == len(episode.rollout_logprobs) == episode.response_length
+    trained, untrained = sum(mask), len(mask) - sum(mask)
+    assert trained > 0 and untrained > 0  # the tool observation is in the response, not trained
+    assert all(lp == 0.0 for lp, m in zip(episode.rollout_logprobs, mask) if not m)
+    assert all(lp < 0 for lp, m in zip(episode.rollout_logprobs, mask) if m)
+    again = agentic.run([prompt], step=0)[0]
+    assert again.token_ids == episode.token_ids and again.loss_mask == episode.loss_mask

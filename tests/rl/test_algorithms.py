@@ -1,0 +1,137 @@
+import math
+
+import pytest
+import torch
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.rl.algorithms import (
+    TrainDocument,
+    clipped_policy_loss,
+    group_advantages,
+    kl_k3,
+    pack_documents,
+    token_logprobs,
+)
+from miles_core.rl.config import AlgorithmSection
+from miles_core.rl.policy_update import UpdateSettings, policy_update, split_minibatches
+
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 4)
+    expected_first = (1 - 0.25) / (math.sqrt(0.25 * 0.75) + 1e-6)
+    assert adv[0].item() == pytest.approx(expected_first, rel=1e-5)
+    assert adv[:4].sum().item() == pytest.approx(0.0, abs=1e-5)
+    assert torch.equal(adv[4:], torch.zeros(4))  # no signal in a uniform group
+    assert group_advantages(rewards, 4, scale_by_std=False)[0].item() == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(rewards, 3)
+
+
+def test_clipped_loss_clips_only_in_the_direction_that_helps():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, stats = clipped_policy_loss(new, old, adv, torch.ones(4), clip_low=0.2, clip_high=0.2)
+    # ratio 1.5, A>0: clipped to 1.2; ratio 1.5, A<0: unclipped 1.5 (pessimistic);
+    # ratio 0.5, A>0: unclipped 0.5; ratio 0.5, A<0: clipped 0.8
+    assert loss.tolist() == pytest.approx([-1.2, 1.5, -0.5, 0.8])
+    assert stats["clipped"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    masked, _ = clipped_policy_loss(new, old, adv, torch.tensor([1, 0, 1, 0]), clip_low=0.2, clip_high=0.2)
+    assert masked.tolist() == pytest.approx([-1.2, 0.0, -0.5, 0.0])
+
+
+def test_kl_and_logprobs():
+    lp = torch.log(torch.tensor([0.5, 0.25]))
+    assert torch.allclose(kl_k3(lp, lp), torch.zeros(2))
+    assert (kl_k3(lp, lp.flip(0)) > 0).all()
+    logits = torch.randn(3, 5)
+    targets = torch.tensor([1, -100, 4])
+    out = token_logprobs(logits, targets, temperature=2.0)
+    ref = (logits / 2).log_softmax(-1)
+    assert out[0] == ref[0, 1] and out[1] == 0 and out[2] == ref[2, 4]
+
+
+def _doc(tokens, response, adv=1.0):
+    return TrainDocument(tuple(tokens), response, (1,) * response, tuple([-0.5] * response), adv)
+
+
+def test_packing_aligns_targets_masks_and_restarts_positions():
+    a, b = _doc([10, 11, 12, 13], 2, 1.0), _doc([20, 21, 22], 1, -1.0)
+    (row,) = pack_documents([a, b], max_tokens_per_row=16)
+    assert row.input_ids.tolist() == [10, 11, 12, 13, 20, 21, 22]
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert row.targets.tolist() == [11, 12, 13, -100, 21, 22, -100]  # never across documents
+    assert row.loss_mask.tolist() == [0, 1, 1, 0, 0, 1, 0]  # positions predicting response tokens
+    assert row.rollout_logprobs.tolist() == [0, -0.5, -0.5, 0, 0, -0.5, 0]
+    assert row.advantages.tolist() == [1, 1, 1, 1, -1, -1, -1]
+    rows = pack_documents([a, b, a], max_tokens_per_row=7)
+    assert [r.num_docs for r in rows] == [2, 1]
+    assert [r.num_docs for r in pack_documents([a, b], 16, packing=False)] == [1, 1]
+    long_doc = _doc(range(30), 5)
+    assert pack_documents([long_doc], max_tokens_per_row=8)[0].num_tokens == 30  # never truncated
+
+
+def test_document_validation():
+    with pytest.raises(ValueError, match="response_length"):
+        TrainDocument((1, 2), 2, (1, 1), (0.0, 0.0), 0.0)
+    with pytest.raises(ValueError, match="loss_mask"):
+        TrainDocument((1, 2, 3), 2, (1,), (0.0, 0.0), 0.0)
+
+
+def test_split_minibatches():
+    assert [len(m) for m in split_minibatches(list(range(10)), 3)] == [4, 3, 3]
+    assert [len(m) for m in split_minibatches(list(range(2)), 2)] == [1, 1]
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_packed_update_equals_unpacked_update():
+    """Differential: the same documents packed in one row or one per row give the same loss,
+    gradients and statistics (attention model: position_ids restarts are honoured)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    docs = []
+    for i, n in enumerate([5, 9, 4, 7]):
+        tokens = torch.randint(0, 32, (n,), generator=gen).tolist()
+        docs.append(TrainDocument(tuple(tokens), 3, (1, 0, 1), (-3.0, -3.1, -3.2), float(i % 2) - 0.5))
+    algo = AlgorithmSection(lr=1e-2, entropy_coef=0.01)
+    results = {}
+    for packing in (True, False):
+        model = _tiny_llama()
+
+        def forward(row, model=model):
+            return model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits[0]
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients, not moved weights
+        stats = policy_update(docs, forward, opt, model.parameters(), UpdateSettings(algo, 1.0, 64, packing))
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[packing] = (stats, grads)
+    (s_p, g_p), (s_u, g_u) = results[True], results[False]
+    assert s_p["train_tokens"] == s_u["train_tokens"] == 25
+    for key in ("loss", "entropy", "approx_kl", "grad_norm"):
+        assert s_p[key] == pytest.approx(s_u[key], rel=1e-4, abs=1e-6), key
+    assert torch.allclose(g_p, g_u, atol=1e-6)
+
+
+def test_packing_matters_for_a_model_that_ignores_position_restarts():
+    """Negative control for the differential above: without restarting positions the packed row
+    attends across documents and the log-probs change."""
+    model = _tiny_llama()
+    a, b = _doc([1, 2, 3, 4, 5], 2), _doc([6, 7, 8, 9], 2)
+    (row,) = pack_documents([a, b], 64)
+    with torch.no_grad():
+        honoured = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits
+        leaking = model(input_ids=row.input_ids[None], use_cache=False).logits
+        alone = model(input_ids=torch.tensor([b.token_ids]), use_cache=False).logits
+    assert torch.allclose(honoured[0, 5:], alone[0], atol=1e-5)
+    assert not torch.allclose(leaking[0, 5:], alone[0], atol=1e-3)

@@ -1,0 +1,74 @@
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.errors import ConfigError
+from miles_core.rl.config import PRESETS, TrainConfig, describe_settings, load_config, parse_override
+
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
+
+
+def test_presets_validate():
+    for name in PRESETS:
+        assert isinstance(load_config(name), TrainConfig)
+    tiny = load_config("tiny")
+    assert tiny.rollout.path == "agentic" and tiny.model.preset == "tiny" and tiny.run.time_limit_s == 150
+    assert load_config("small-gpu").model.dtype == "bfloat16"
+
+
+def test_layers_apply_in_order(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[rollout]\ntemperature = 0.5\nmax_new_tokens = 3\n[run]\nseed = 7\n')
+    cfg = load_config("tiny", toml, ["rollout.max_new_tokens=5", {"run": {"steps": 3}}])
+    assert (cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.run.seed, cfg.run.steps) == (0.5, 5, 7, 3)
+    assert cfg.rollout.path == "agentic"  # untouched preset value survives
+
+
+def test_model_path_replaces_preset_model():
+    cfg = load_config("tiny", overrides=['model.path="/models/x"'])
+    assert cfg.model.path == "/models/x" and cfg.model.preset is None
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("rollout.bogus=1", "rollout.bogus: unknown setting in rollout"),
+        ("nonsense.key=1", "nonsense: unknown setting"),
+        ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt must be >= 2"),
+        ("run.steps=0", "run.steps: Input should be greater than or equal to 1"),
+        ("rollout.max_turns=3", "rollout.max_turns > 1 needs rollout.path = 'agentic'"),
+        ("trainer.mtp_num_layers=1", "trainer.mtp_num_layers needs trainer.backend = 'megatron'"),
+        ('orchestrator.address="ray://h:10001"', "orchestrator.address is set"),
+        ('trainer.backend="jax"', "trainer.backend: Input should be 'hf' or 'megatron'"),
+        ("algorithm.minibatches=1000", "algorithm.minibatches (1000) exceeds the samples per step"),
+    ],
+)
+def test_bad_settings_name_the_setting(override, needle):
+    base = [] if "max_turns" not in override else ['rollout.path="direct"']
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", overrides=[*base, override])
+    assert needle in str(info.value)
+
+
+def test_bad_files_and_presets(tmp_path):
+    with pytest.raises(ConfigError, match="preset: unknown preset 'huge'"):
+        load_config("huge")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(file=tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: .*line 1"):
+        load_config(file=bad)
+    with pytest.raises(ConfigError, match=r"expected SECTION\.KEY=VALUE"):
+        parse_override("no-equals-sign")
+
+
+def test_override_values_are_toml_or_strings():
+    assert parse_override("a.b=0.5") == {"a": {"b": 0.5}}
+    assert parse_override("a.b=true") == {"a": {"b": True}}
+    assert parse_override("a.b=direct") == {"a": {"b": "direct"}}
+
+
+def test_every_setting_is_documented():
+    rows = describe_settings()
+    assert len(rows) > 40
+    assert all(desc for _, desc, _ in rows), [name for name, desc, _ in rows if not desc]
