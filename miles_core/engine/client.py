@@ -30,8 +30,9 @@ from miles_core.errors import MilesError
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 #: how much of an error reply body an exception carries
 SNIPPET_CHARS = 512
-#: idle pooled connections are closed after this long (as httpx did)
-KEEPALIVE_S = 5.0
+#: idle pooled connections are not reused after this long: under uvicorn's default 5 s (SGLang's
+#: server), so the engine never closes a connection just as this client sends on it
+KEEPALIVE_S = 4.0
 
 
 class EngineError(MilesError):
