@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import httpx
@@ -28,6 +30,13 @@ from miles_core.errors import MilesError
 
 #: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+logger = logging.getLogger(__name__)
+
+#: an ASGI application: ``await app(scope, receive, send)``
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
+    Awaitable[None],
+]
 #: how much of an error reply body an exception carries
 SNIPPET_CHARS = 512
 #: idle pooled connections are not reused after this long: under uvicorn's default 5 s (SGLang's
@@ -84,8 +93,11 @@ class EngineClient:
     scanned for every request) cost ~1 ms of CPU per engine call, the largest part of what the
     session server spent on a turn; aiohttp parses HTTP in C and hands out pooled connections in
     constant time. ``transport`` replaces the network with an httpx transport (tests:
-    ``httpx.MockTransport``); both raise httpx's exception types, so everything above the byte
-    exchange -- retries, typed errors, status and JSON checks -- is one code path.
+    ``httpx.MockTransport``); ``app`` calls an ASGI app of this process directly (an engine
+    served in-process, such as :func:`miles_core.engine.server.create_app`): no sockets, no HTTP
+    parsing, no hop through a server thread; ``timeout`` then bounds the whole exchange. All
+    raise httpx's exception types, so everything above the byte exchange -- retries, typed
+    errors, status and JSON checks -- is one code path.
     """
 
     def __init__(
@@ -100,15 +112,20 @@ class EngineClient:
         max_connections: int = 1024,
         pool_shards: int = 16,
         transport: httpx.AsyncBaseTransport | None = None,
+        app: ASGIApp | None = None,
     ) -> None:
         if connect_retries < 0:
             raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        if transport is not None and app is not None:
+            raise ValueError("give at most one of transport and app")
         self.base_url = base_url.rstrip("/")
         self.connect_retries = connect_retries
         self.retry_backoff = retry_backoff
         default_headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
         self._pools: list[_Pool]
-        if transport is not None:
+        if app is not None:
+            self._pools = [_AppPool(app, default_headers, timeout)]
+        elif transport is not None:
             self._pools = [_TransportPool(transport, default_headers, httpx.Timeout(timeout, connect=connect_timeout))]
         else:
             per_shard = max(1, -(-max_connections // pool_shards))
@@ -283,6 +300,84 @@ class _TransportPool:
 
     async def aclose(self) -> None:
         await self._transport.aclose()
+
+
+class _AppPool:
+    """An ASGI app called in-process (``EngineClient(app=...)``) with one whole request.
+
+    The app sees a client that stays connected until the whole reply is sent (then
+    ``http.disconnect``). It must need no lifespan startup (the engine's app needs none).
+    """
+
+    def __init__(self, app: ASGIApp, headers: Mapping[str, str], timeout: float) -> None:
+        self._app = app
+        self._headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        self._timeout = timeout
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]:
+        try:
+            return await asyncio.wait_for(self._call(method, url, headers, content or b""), self._timeout)
+        except TimeoutError:  # wait_for cancelled the app: the engine's app aborts the generation
+            raise httpx.ReadTimeout(f"no complete reply within {self._timeout} s") from None
+
+    async def _call(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> tuple[int, bytes]:
+        parts = urlsplit(url)
+        request_headers = [
+            *self._headers,
+            *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()),
+            (b"host", parts.netloc.encode("latin-1")),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": parts.scheme,
+            "path": unquote(parts.path),
+            "raw_path": parts.path.encode("latin-1"),
+            "query_string": parts.query.encode("latin-1"),
+            "root_path": "",
+            "headers": request_headers,
+            "client": None,
+            "server": (parts.hostname, parts.port),
+        }
+        replied = asyncio.Event()
+        body_sent = False
+        status, chunks = 0, []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await replied.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    replied.set()
+
+        try:
+            await self._app(scope, receive, send)
+        except Exception as exc:
+            if not replied.is_set():
+                raise httpx.RemoteProtocolError(f"the in-process app raised {type(exc).__name__}: {exc}") from exc
+            # Starlette re-raises after sending its 500 reply; a server would log it, so do we
+            logger.error("the in-process app raised after replying (%s %s)", method, url, exc_info=exc)
+        if not replied.is_set():
+            raise httpx.RemoteProtocolError("the in-process app returned without a complete reply")
+        return status, b"".join(chunks)
+
+    async def aclose(self) -> None:
+        return None
 
 
 def _as_httpx_error(exc: aiohttp.ClientError) -> httpx.TransportError:

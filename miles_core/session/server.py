@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.engine.client import EngineClient
+from miles_core.engine.client import ASGIApp, EngineClient
 from miles_core.plugins import MilesPluginManager, get_plugin_manager
 from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
@@ -56,9 +56,14 @@ def build_app(
     *,
     pm: MilesPluginManager | None = None,
     tokenizer: PromptTokenizer | None = None,
+    upstream_app: ASGIApp | None = None,
 ) -> SessionApp:
     """Activate the configured version and load the tokenizer now (fail fast), then return the
-    app; the engine client lives from the app's startup to its shutdown."""
+    app; the engine client lives from the app's startup to its shutdown.
+
+    ``upstream_app``: the engine's ASGI app when it runs in this process; the session server
+    then calls it directly instead of over HTTP (``config.upstream_url`` still names it in errors).
+    """
     version = activate_version(config.version, pm)
     if tokenizer is None:
         from miles_core.session.tokenizer import ChatTokenizer
@@ -66,7 +71,7 @@ def build_app(
         tokenizer = ChatTokenizer.from_dir(
             config.tokenizer_dir, chat_template=config.chat_template, family=config.template_family
         )
-    return SessionApp(config, version, tokenizer)
+    return SessionApp(config, version, tokenizer, upstream_app)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +91,17 @@ class ClientDisconnected(Exception):
 class SessionApp:
     """The ASGI app: lifespan (the engine client and the service) and the routes."""
 
-    def __init__(self, config: SessionServerConfig, version: SessionVersion, tokenizer: PromptTokenizer) -> None:
+    def __init__(
+        self,
+        config: SessionServerConfig,
+        version: SessionVersion,
+        tokenizer: PromptTokenizer,
+        upstream_app: ASGIApp | None = None,
+    ) -> None:
         self.config = config
         self.version = version
         self.tokenizer = tokenizer
+        self.upstream_app = upstream_app
         self.service: SessionService | None = None  # set at startup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -110,6 +122,7 @@ class SessionApp:
                 connect_timeout=config.connect_timeout,
                 connect_retries=config.connect_retries,
                 headers=config.upstream_headers,
+                app=self.upstream_app,
             )
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
