@@ -10,8 +10,8 @@ Routes (the public contract)::
     POST   /sessions/{id}/samples                 -> {"session_id", "version", "samples", "empty_reason"}
 
 Every error is JSON ``{"error": {"type", "message"}}`` with a bounded message and no stack trace.
-Large replies (records, samples) are serialized in a worker thread so one long trajectory does
-not stall other sessions.
+Large replies (records; samples of sessions past :data:`INLINE_SAMPLES_TOKENS`) are serialized in
+a worker thread so one long trajectory does not stall other sessions.
 
 Six fixed routes need no framework: the app matches the path itself and answers from whole
 bodies. (Starlette's middleware and routing layers cost more CPU per turn than the session
@@ -41,6 +41,10 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON = b"application/json"
+#: samples of a session with at most this many committed tokens are assembled on the event loop:
+#: 32k tokens take ~1 ms (benchmarks/session_overhead.py), and for the short episodes of RL
+#: rollouts the hand-off to a worker thread and back cost more than the work
+INLINE_SAMPLES_TOKENS = 8192
 
 
 def activate_version(name: str, pm: MilesPluginManager | None = None) -> SessionVersion:
@@ -185,7 +189,13 @@ class SessionApp:
     async def samples(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
         service = self._service()
         session, options = service.sample_job(session_id, await self._body(scope, receive))
-        return Reply(await asyncio.to_thread(lambda: dumps(service.assemble(session, options))))
+
+        def encode() -> bytes:
+            return dumps(service.assemble(session, options))
+
+        if session.committed_tokens <= INLINE_SAMPLES_TOKENS:
+            return Reply(encode())
+        return Reply(await asyncio.to_thread(encode))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         """The request body, refused with 413 past ``max_body_bytes`` (before reading it all)."""

@@ -49,6 +49,8 @@ class Session:
         self.store = store
         self.in_flight = 0
         self.closing = False
+        #: tokens in the snapshots of every committed turn: at least what assembling samples reads
+        self.committed_tokens = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -151,7 +153,8 @@ class SessionService:
             except EngineError as exc:
                 raise upstream_error(exc) from exc
             completion = extract_completion(reply)
-            session.store.commit(plan, completion, TurnRecord(sent, received, started, time.time()))
+            turn = session.store.commit(plan, completion, TurnRecord(sent, received, started, time.time()))
+            session.committed_tokens += len(turn.token_ids)
         return ChatOutcome(client_reply(reply), stream, include_usage)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:

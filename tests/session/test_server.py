@@ -1,11 +1,13 @@
 """The HTTP surface: routes, status codes, JSON errors, SSE, samples options, lifecycle."""
 
+import asyncio
 import json
 import logging
 import threading
 import time
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.session import server
 from miles_core.session.trajectory import SERVER_METADATA_KEYS
 
 register_cpu_ci(est_time=20, suite="stage-a-cpu")
@@ -123,6 +125,30 @@ def test_samples_options(serve) -> None:
     for key in SERVER_METADATA_KEYS:
         message = _error(harness.client.post(url, content=json.dumps({"metadata": {key: 1}})), 400, "invalid_request_error")
         assert f"metadata.{key}" in message
+
+
+def test_small_sessions_assemble_samples_inline_and_large_ones_in_a_worker(serve, monkeypatch) -> None:
+    """Same reply either way; only sessions past INLINE_SAMPLES_TOKENS leave the event loop."""
+    harness = serve("v2")
+    sid = harness.create()
+    a1 = harness.chat(sid, {"messages": [Q1]}).json()["choices"][0]["message"]
+    harness.chat(sid, {"messages": [Q1, a1, {"role": "user", "content": "two"}]})
+    committed = sum(turn["num_tokens"] for turn in harness.state(sid).json()["metadata"]["turns"])
+    offloaded = []
+    to_thread = asyncio.to_thread
+
+    async def spy(fn, *args):
+        offloaded.append(fn)
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(server.asyncio, "to_thread", spy)
+    url = f"/sessions/{sid}/samples"
+    monkeypatch.setattr(server, "INLINE_SAMPLES_TOKENS", committed)
+    inline = harness.client.post(url, content=b"{}")
+    assert inline.status_code == 200 and offloaded == []
+    monkeypatch.setattr(server, "INLINE_SAMPLES_TOKENS", committed - 1)
+    in_worker = harness.client.post(url, content=b"{}")
+    assert len(offloaded) == 1 and in_worker.content == inline.content
 
 
 def test_delete_waits_for_the_generation_in_flight(serve) -> None:
