@@ -10,7 +10,6 @@ comments around it are untouched.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from miles_core.ci.base import Registration
 from miles_core.ci.catalog import Catalog
 from miles_core.ci.junit import Measurement
 from miles_core.errors import ConfigError, MilesError
+from miles_core.fileio import write_bytes_atomic
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,7 @@ def rewrite(root: Path, proposals: Sequence[Proposal]) -> list[str]:
             )
         new_texts[path] = b"".join(lines)
     for path, data in new_texts.items():
-        temporary = path.with_name(path.name + ".miles-tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
+        write_bytes_atomic(path, data)
     return sorted(by_file)
 
 

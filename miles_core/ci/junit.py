@@ -12,7 +12,6 @@ per-file time is the sum of the test times, mapped to files through the testcase
 
 from __future__ import annotations
 
-import os
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from miles_core.ci.runner import RunReport
 from miles_core.ci.selection import disabled_reason
 from miles_core.errors import ConfigError
+from miles_core.fileio import write_bytes_atomic
 
 PROPERTY_PREFIX = "miles."
 
@@ -92,9 +92,7 @@ def write_junit(report: RunReport, path: Path) -> None:
         _count(element)
     ET.indent(root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    ET.ElementTree(root).write(temporary, encoding="utf-8", xml_declaration=True)
-    os.replace(temporary, path)
+    write_bytes_atomic(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,49 @@ MARKER = "miles_preset.json"
 
 
 @dataclass(frozen=True)
+class ReplyFormatWarmup:
+    """A few AdamW steps that teach a random-init model the *format* of a reply, not its content.
+
+    The corpus is every chat prompt ``"a+b="`` (single digits ``a``, ``b``) rendered with the chat
+    template and the generation prompt; the target of the first reply token is the *uniform*
+    distribution over the ten digit tokens, whatever the prompt says. Afterwards the model answers
+    with a digit (instead of one of 265 byte tokens) but knows nothing about which digit is right:
+    every prompt gets the same ~1/10 chance for each answer. This is the "base model" RL starts
+    from; without it a reward that checks one token hits almost never and teaches almost nothing.
+    """
+
+    steps: int = 30
+    lr: float = 3e-3
+
+    def apply(self, model: Any, tokenizer: Any) -> None:
+        import torch
+
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{a}+{b}="}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for a in range(10)
+            for b in range(10)
+        ]
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("reply-format warm-up: the rendered prompts differ in length; expected single tokens per digit")
+        digits = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(str(d))) for d in range(10)]
+        if any(len(d) != 1 for d in digits):
+            raise ValueError("reply-format warm-up: the tokenizer does not encode each digit as one token")
+        inputs = torch.tensor(prompts)
+        digit_ids = torch.tensor([d[0] for d in digits])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
+        model.train()
+        for _ in range(self.steps):
+            logp = model(inputs, use_cache=False).logits[:, -1].float().log_softmax(-1)
+            loss = -logp[:, digit_ids].mean()  # cross-entropy to uniform-over-digits
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        model.eval()
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     description: str
@@ -39,6 +82,8 @@ class Preset:
     #: if set, Gated DeltaNet decay rates ``A`` are drawn from ``U(0.01, gdn_decay_max)`` instead of
     #: transformers' ``U(0.01, 16)``, so the recurrent state carries information across tokens
     gdn_decay_max: float | None = None
+    #: if set, run after initialisation (see :class:`ReplyFormatWarmup`)
+    warmup: ReplyFormatWarmup | None = None
 
     def digest(self) -> str:
         from miles_core.assets.tiny_tokenizer import recipe_digest
@@ -76,6 +121,8 @@ class Preset:
                     for module in model.modules():
                         if isinstance(getattr(module, "A_log", None), torch.nn.Parameter):
                             module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, self.gdn_decay_max).log())
+            if self.warmup is not None:
+                self.warmup.apply(model, tokenizer)
         model.to(getattr(torch, self.dtype)).save_pretrained(out)
         tokenizer.save_pretrained(out)
         GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
@@ -112,6 +159,20 @@ TINY = Preset(
     gdn_decay_max=1.0,
 )
 
+TINY_RL = Preset(
+    name="tiny-rl",
+    description="the tiny architecture as an RL starting point: init std 0.1, then a reply-format warm-up "
+    "(answers a uniformly random digit), fp32, for CPU",
+    # At transformers' 0.02 the signal from the prompt's digits reaches the last position too weakly
+    # for RL to pick it up in minutes; at 0.1 the one-token log-probs of prefill still agree with the
+    # trainer's to ~1e-6 (decode steps drift to ~2e-5, see TINY).
+    text_config={**TINY.text_config, "initializer_range": 0.1},
+    dtype="float32",
+    device="cpu",
+    gdn_decay_max=1.0,
+    warmup=ReplyFormatWarmup(),
+)
+
 SMALL_GPU = Preset(
     name="small-gpu",
     description="24-layer Qwen3.5 (3 Gated DeltaNet : 1 attention, hidden 1024, ~0.47B parameters), bf16, for one GPU",
@@ -135,7 +196,7 @@ SMALL_GPU = Preset(
     device="cuda",
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (TINY, SMALL_GPU)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (TINY, TINY_RL, SMALL_GPU)}
 
 
 def get_preset(name: str) -> Preset:

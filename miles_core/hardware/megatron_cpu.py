@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import warnings
 from typing import Any
 
 from miles_core.hardware.base import FixReport
@@ -74,7 +75,12 @@ class MegatronCpuFixes:
             return FixReport(FIX_NAME, "not-needed", "megatron-core is not installed")
         if not self._patches:
             import torch
-            from megatron.core.tensor_parallel import random as megatron_random
+
+            with warnings.catch_warnings():
+                # megatron announces at import that the CUDA-only Transformer Engine and Apex are
+                # absent; on the CPU backend that is the expected state, not news.
+                warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+                from megatron.core.tensor_parallel import random as megatron_random
 
             tracker = megatron_random.CudaRNGStatesTracker
             self._patches = [

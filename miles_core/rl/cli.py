@@ -60,11 +60,13 @@ def train(
 ) -> None:
     """Train a policy with RL: rollouts -> rewards -> GRPO/PPO update -> weight sync, per step.
 
-    `miles train --preset tiny` runs the whole loop on a 2-core CPU in minutes: the tiny Qwen3.5
-    model learns single-digit addition, rollouts go through the session server, answers are
+    `miles train --preset tiny` runs the whole loop on a 2-core CPU in under a minute: the tiny
+    Qwen3.5 model learns to answer "n+1=", rollouts go through the session server, answers are
     checked in the local sandbox.
     """
     from miles_core.rl.config import load_config
+
+    _quiet_libraries()
 
     layered: list[str | dict[str, Any]] = []
     for flag, value in flags.items():
@@ -101,3 +103,14 @@ def train(
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal for the run's own progress: transformers' load/save progress bars and its
+    once-per-process advisories (e.g. "falling back to the reference PyTorch implementation" on
+    CPU) are off unless the user set these variables. Set before transformers is imported; Ray
+    workers inherit them."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

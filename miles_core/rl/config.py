@@ -171,20 +171,20 @@ class TrainConfig(_Section):
 
 #: named starting points; a TOML file and overrides apply on top
 PRESETS: dict[str, dict[str, Any]] = {
-    # 2-core CPU, minutes: the arithmetic task on the tiny Qwen3.5 through the session server.
+    # 2-core CPU, minutes: a reply-format-warmed tiny Qwen3.5 learns "n+1=" through the session server.
     "tiny": {
-        "model": {"preset": "tiny", "dtype": "float32"},
-        "task": {"name": "arith-add"},
+        "model": {"preset": "tiny-rl", "dtype": "float32"},
+        "task": {"name": "arith-next"},
         "rollout": {
             "path": "agentic",
-            "prompts_per_step": 8,
+            "prompts_per_step": 9,
             "samples_per_prompt": 16,
             "max_new_tokens": 1,
             "session_version": "v1",
         },
-        "algorithm": {"lr": 1e-3},
+        "algorithm": {"lr": 3e-3, "kl_coef": 0.3},
         "trainer": {"backend": "hf", "device": "auto", "max_tokens_per_row": 1024},
-        "run": {"steps": 200, "eval_every": 5, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
+        "run": {"steps": 60, "eval_every": 2, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
     },
     # One GPU: the ~0.5B Qwen3.5-architecture preset in bf16, in-process.
     "small-gpu": {

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.errors import ConfigError
+from miles_core.fileio import write_json_atomic
 from miles_core.rl.checkpoint import (
     LoopState,
     check_resumable,
@@ -93,6 +94,7 @@ class RunResult:
             "last": last,
             "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in self.records), default=None),
             "metrics": str(self.out_dir / "metrics.jsonl"),
+            "summary": str(self.out_dir / "summary.json"),
             "plot": str(self.out_dir / "plot.png") if (self.out_dir / "plot.png").exists() else None,
             "report": self.report,
         }
@@ -184,6 +186,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
     initial_accuracy = next((r["greedy_accuracy"] for r in records if r.get("greedy_accuracy") is not None), None)
     progress = Progress(run_cfg.steps, first_step, run_cfg.progress)
     accuracy, stopped_early, step = None, False, first_step - 1
+    saved_step = first_step - 1  # the step the newest checkpoint holds
     loop_started = time.perf_counter()
     try:
         for step in range(first_step, run_cfg.steps):
@@ -238,16 +241,21 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
             if (run_cfg.checkpoint_every and (step + 1) % run_cfg.checkpoint_every == 0) or last:
                 state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
                 save_checkpoint(Path(run_cfg.out_dir), runtime.trainer, state, run_cfg.keep_checkpoints)
+                saved_step = step
             if out_of_time:
                 break
+        if step > saved_step:  # stopped early: keep the policy that reached the target
+            state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
+            save_checkpoint(Path(run_cfg.out_dir), runtime.trainer, state, run_cfg.keep_checkpoints)
         if not stopped_early and task.has_accuracy and run_cfg.eval_every:
             accuracy = evaluate(runtime, prompts)
     finally:
         progress.close()
     records = metrics.read()
     if run_cfg.plot and records:
-        plot_run(records, Path(run_cfg.out_dir) / "plot.png", f"miles train: {config.task.name}")
-    return RunResult(
+        final = (step + 1, accuracy) if accuracy is not None else None
+        plot_run(records, Path(run_cfg.out_dir) / "plot.png", f"miles train: {config.task.name}", final)
+    result = RunResult(
         out_dir=Path(run_cfg.out_dir),
         steps_done=step + 1,
         initial_accuracy=initial_accuracy,
@@ -257,3 +265,5 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
         records=records,
         report=runtime.trainer.report,
     )
+    write_json_atomic(Path(run_cfg.out_dir) / "summary.json", result.summary())
+    return result

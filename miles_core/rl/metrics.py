@@ -107,8 +107,14 @@ PLOTTED = (
 )
 
 
-def plot_run(records: Iterable[Mapping[str, Any]], path: Path, title: str) -> Path:
-    """A PNG with one panel per headline metric plus the time split (matplotlib, Agg)."""
+def plot_run(
+    records: Iterable[Mapping[str, Any]], path: Path, title: str, final_accuracy: tuple[int, float] | None = None
+) -> Path:
+    """A PNG with one panel per headline metric plus the time split (matplotlib, Agg).
+
+    ``final_accuracy`` is ``(steps_done, accuracy)`` of the evaluation after the last step (it
+    belongs to no step's record), drawn on the accuracy panel.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,6 +124,8 @@ def plot_run(records: Iterable[Mapping[str, Any]], path: Path, title: str) -> Pa
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     for ax, (key, label) in zip(axes.flat, PLOTTED):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if key == "greedy_accuracy" and final_accuracy is not None:
+            points.append(final_accuracy)
         if points:
             ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
         ax.set_title(label)

@@ -95,7 +95,7 @@ def policy_update(
                         ref_lp = token_logprobs(reference(row), targets, settings.temperature)
                     kl_ref = kl_k3(logprobs, ref_lp) * mask
                     loss = loss + algo.kl_coef * kl_ref.sum()
-                    _add(sums, "kl_ref", float(kl_ref.sum()))
+                    _add(sums, "kl_ref", float(kl_ref.detach().sum()))
                 loss = loss / n_tokens
                 if extra_loss is not None:
                     loss = loss + extra_loss(row) / len(rows)

@@ -48,7 +48,7 @@ def test_serve_needs_exactly_one_model_source(tmp_path) -> None:
 def test_presets_json() -> None:
     result = CliRunner().invoke(cli, ["engine", "presets", "--json"])
     assert result.exit_code == 0
-    assert [p["name"] for p in json.loads(result.output)["presets"]] == ["tiny", "small-gpu"]
+    assert [p["name"] for p in json.loads(result.output)["presets"]] == ["tiny", "tiny-rl", "small-gpu"]
 
 
 def test_serve_a_preset_end_to_end(tiny_dir) -> None:

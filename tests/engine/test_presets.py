@@ -54,4 +54,32 @@ def test_small_gpu_preset_is_a_half_billion_parameter_qwen35() -> None:
 def test_unknown_preset_names_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="tiny"):
         get_preset("huge")
-    assert set(PRESETS) == {"tiny", "small-gpu"}
+    assert set(PRESETS) == {"tiny", "tiny-rl", "small-gpu"}
+
+
+def _first_reply_token_distribution(model_dir, prompts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor([
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        for p in prompts
+    ])
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    with torch.no_grad():
+        probs = model(ids, use_cache=False).logits[:, -1].softmax(-1)
+    return probs[:, digits]
+
+
+def test_tiny_rl_answers_with_a_digit_but_not_a_particular_one(tiny_dir) -> None:
+    """The warm-up teaches the reply format, not the answers: nearly all first-token mass on the ten
+    digits, spread evenly, on prompts it never saw; the un-warmed tiny model is the control."""
+    torch.set_num_threads(1)
+    unseen = ["3+4?", "n+1=", "7*2=", "hi!!"]  # none is a warm-up prompt ("a+b=")
+    warmed = _first_reply_token_distribution(preset_dir("tiny-rl", tiny_dir.parent), unseen)
+    control = _first_reply_token_distribution(tiny_dir, unseen)
+    assert float(warmed.sum(-1).min()) > 0.9
+    assert float(control.sum(-1).max()) < 0.2
+    assert float(warmed.max()) < 0.2  # no digit above 2x its uniform share: no answer was taught

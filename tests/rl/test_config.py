@@ -11,7 +11,7 @@ def test_presets_validate():
     for name in PRESETS:
         assert isinstance(load_config(name), TrainConfig)
     tiny = load_config("tiny")
-    assert tiny.rollout.path == "agentic" and tiny.model.preset == "tiny" and tiny.run.time_limit_s == 150
+    assert tiny.rollout.path == "agentic" and tiny.model.preset == "tiny-rl" and tiny.run.time_limit_s == 150
     assert load_config("small-gpu").model.dtype == "bfloat16"
 
 

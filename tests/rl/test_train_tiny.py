@@ -21,18 +21,25 @@ def _train(*args, env=None):
                           capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
 
 
-def test_tiny_preset_runs_through_session_server_and_sandbox(tmp_path):
-    proc = _train("--steps", "3", "--out", str(tmp_path / "run"), "--set", "run.eval_every=2", "--json")
+def test_tiny_preset_learns_through_session_server_and_sandbox(tmp_path):
+    """The README's main-job command, unchanged: from <= 0.2 to >= 0.9 greedy accuracy within its
+    own time limit, every step's rollouts through the session server and rewards in the sandbox."""
+    out = tmp_path / "run"
+    proc = _train("--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)  # exactly one JSON document on stdout
-    assert summary["steps"] == 3 and summary["initial_accuracy"] <= 0.2
+    assert summary["initial_accuracy"] <= 0.2 and summary["final_accuracy"] >= 0.9 and summary["stopped_early"]
     assert summary["max_logprob_mismatch"] <= 1e-4  # packed GDN rows, fp32, patch applied
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(summary["steps"]))
     for record in records:
         assert record["time_rollout_session_v1"] > 0 and record["time_reward_sandbox_local"] > 0
         assert record["train_tokens"] > 0
     assert summary["report"]["packing_leak"] is not None and summary["report"]["packing_leak"] <= 1e-4
-    assert (tmp_path / "run" / "plot.png").exists()
+    assert (out / "plot.png").exists()
+    assert json.loads((out / "summary.json").read_text())["final_accuracy"] == summary["final_accuracy"]
+    # the policy that reached the target is kept
+    assert (out / "checkpoints" / f"step_{summary['steps'] - 1:06d}").is_dir()
 
 
 def test_tiny_preset_refuses_without_the_packing_patch(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.errors import ConfigError
+from miles_core.fileio import write_bytes_atomic
 from miles_core.sandbox.errors import SandboxCapacityError
 from miles_core.sandbox.local.isolation import UID_BASE, UID_SLOTS, kill_sandbox_processes, kill_uid
 from miles_core.sandbox.ownership import process_alive
@@ -87,11 +88,7 @@ class Store:
 
     def write_meta(self, meta: Meta) -> None:
         path = self.sandbox_dir(meta.id) / "meta.json"
-        tmp = path.with_suffix(f".{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(asdict(meta), fh)
-        os.replace(tmp, path)
+        write_bytes_atomic(path, json.dumps(asdict(meta)).encode(), mode=0o600)
 
     def read_meta(self, sandbox_id: str) -> Meta | None:
         try:
