@@ -70,13 +70,13 @@ def _run_stub(queue) -> None:
 
 def _run_session_server(queue, upstream: str, version: str) -> None:
     from miles_core.session.config import SessionServerConfig
-    from miles_core.session.embed import base_url, bind_socket, uvicorn_server
+    from miles_core.session.embed import base_url, bind_socket, serve_forever
     from miles_core.session.server import build_app
 
     app = build_app(SessionServerConfig(upstream_url=upstream, tokenizer_dir=_tokenizer_dir(), version=version))
     sock = bind_socket("127.0.0.1", 0)
     queue.put((base_url(sock), os.getpid()))
-    uvicorn_server(app).run(sockets=[sock])
+    serve_forever(app, sock)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -144,10 +144,10 @@ def _assembly(version_name: str, total_tokens: int = 32_768, repeats: int = 20) 
     """Median ms to assemble the samples of one ``total_tokens`` trajectory, and to encode them."""
     from miles_core.session.completion import Completion
     from miles_core.session.normalize import normalize_chat_request
-    from miles_core.session.server import dumps
     from miles_core.session.tokenizer import ChatTokenizer
     from miles_core.session.trajectory import SampleOptions, TurnRecord
     from miles_core.session.versions import LinearVersion, TreeVersion
+    from miles_core.strict_json import dumps
 
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
     version = {"v1": LinearVersion(), "v2": TreeVersion()}[version_name]
@@ -161,7 +161,7 @@ def _assembly(version_name: str, total_tokens: int = 32_768, repeats: int = 20) 
         text = f"thought {turn}: " + "reasoning " * 100
         ids = (*tok.encode(text), tok.stop_id)
         completion = Completion({"role": "assistant", "content": text}, ids, tuple(-0.5 for _ in ids), "stop", "w0")
-        store.commit(plan, completion, TurnRecord({"input_ids": list(plan.prompt_ids)}, {}, 0.0, 0.0))
+        store.commit(plan, completion, TurnRecord(dumps({"input_ids": list(plan.prompt_ids)}), b"{}", 0.0, 0.0))
         history.append(completion.message)
         turn += 1
     assemble, encode = [], []

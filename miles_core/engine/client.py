@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import Mapping
-from typing import Any
+import logging
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
 
+import aiohttp
 import httpx
 
 from miles_core import __version__, strict_json
@@ -26,8 +30,18 @@ from miles_core.errors import MilesError
 
 #: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+logger = logging.getLogger(__name__)
+
+#: an ASGI application: ``await app(scope, receive, send)``
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
+    Awaitable[None],
+]
 #: how much of an error reply body an exception carries
 SNIPPET_CHARS = 512
+#: idle pooled connections are not reused after this long: under uvicorn's default 5 s (SGLang's
+#: server), so the engine never closes a connection just as this client sends on it
+KEEPALIVE_S = 4.0
 
 
 class EngineError(MilesError):
@@ -72,14 +86,18 @@ class EngineClient:
     ``timeout`` bounds each read, write and wait for a pooled connection; ``connect_timeout``
     bounds establishing a connection, which is retried ``connect_retries`` times with exponential
     backoff starting at ``retry_backoff`` seconds. ``headers`` are sent with every request.
-    ``transport`` replaces the network transport (tests).
+    Connections are spread over ``pool_shards`` pools of at most ``max_connections / pool_shards``
+    connections each, picked by routing key (so a session keeps its connections) or round-robin.
 
-    It drives httpx transports directly: one engine needs none of ``httpx.AsyncClient``'s
-    cookies, redirects or auth flows, and skipping them saves ~0.3 ms of CPU per call on the
-    session server's hot path. Connections are spread over ``pool_shards`` pools, picked by
-    routing key (so a session keeps its connections) or round-robin: httpcore's pool scans all
-    of its connections for every request it assigns, which at 64 concurrent requests in one pool
-    cost more CPU than everything else the session server does per turn.
+    Requests go over aiohttp connection pools: httpx's own (httpcore: pure-Python HTTP, a pool
+    scanned for every request) cost ~1 ms of CPU per engine call, the largest part of what the
+    session server spent on a turn; aiohttp parses HTTP in C and hands out pooled connections in
+    constant time. ``transport`` replaces the network with an httpx transport (tests:
+    ``httpx.MockTransport``); ``app`` calls an ASGI app of this process directly (an engine
+    served in-process, such as :func:`miles_core.engine.server.create_app`): no sockets, no HTTP
+    parsing, no hop through a server thread; ``timeout`` then bounds the whole exchange. All
+    raise httpx's exception types, so everything above the byte exchange -- retries, typed
+    errors, status and JSON checks -- is one code path.
     """
 
     def __init__(
@@ -94,40 +112,50 @@ class EngineClient:
         max_connections: int = 1024,
         pool_shards: int = 16,
         transport: httpx.AsyncBaseTransport | None = None,
+        app: ASGIApp | None = None,
     ) -> None:
         if connect_retries < 0:
             raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        if transport is not None and app is not None:
+            raise ValueError("give at most one of transport and app")
         self.base_url = base_url.rstrip("/")
         self.connect_retries = connect_retries
         self.retry_backoff = retry_backoff
-        self._headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
-        self._timeout = httpx.Timeout(timeout, connect=connect_timeout).as_dict()
-        if transport is not None:
-            self._transports: list[httpx.AsyncBaseTransport] = [transport]
+        default_headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
+        self._pools: list[_Pool]
+        if app is not None:
+            self._pools = [_AppPool(app, default_headers, timeout)]
+        elif transport is not None:
+            self._pools = [_TransportPool(transport, default_headers, httpx.Timeout(timeout, connect=connect_timeout))]
         else:
             per_shard = max(1, -(-max_connections // pool_shards))
-            limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
             tls = httpx.create_ssl_context()  # one for all shards: each costs ~25 ms to build
-            self._transports = [
-                httpx.AsyncHTTPTransport(limits=limits, verify=tls) for _ in range(max(1, pool_shards))
+            self._pools = [
+                _AiohttpPool(default_headers, timeout, connect_timeout, max_connections=per_shard, tls=tls)
+                for _ in range(max(1, pool_shards))
             ]
         self._next_shard = itertools.count()
-        self._chat_url = httpx.URL(f"{self.base_url}/v1/chat/completions")
-        self._health_url = httpx.URL(f"{self.base_url}/health")
+        self._chat_url = f"{self.base_url}/v1/chat/completions"
 
     async def chat_completions(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> dict[str, Any]:
         """``POST /v1/chat/completions``; the reply as a JSON object (not validated further)."""
-        headers = {"content-type": "application/json"}
-        if routing_key is not None:
-            headers[ROUTING_KEY_HEADER] = routing_key
-        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-        response = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
-        return _json_object(response)
+        reply, _ = await self.chat_completions_raw(strict_json.dumps(body), routing_key=routing_key)
+        return reply
+
+    async def chat_completions_raw(
+        self, content: bytes, *, routing_key: str | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """:meth:`chat_completions` for a body already encoded as JSON; the reply as a JSON object
+        and as the exact bytes received (what the session server records)."""
+        headers = _JSON_BODY if routing_key is None else {**_JSON_BODY, ROUTING_KEY_HEADER: routing_key}
+        received = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
+        return _json_object(received, self._chat_url), received
 
     async def health(self) -> dict[str, Any]:
         """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""
-        response = await self._send("GET", self._health_url)
-        return _json_object(response) if response.content.strip() else {}
+        url = f"{self.base_url}/health"
+        received = await self._send("GET", url)
+        return _json_object(received, url) if received.strip() else {}
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
         """``POST /update_weights_from_disk`` with SGLang's body; the reply, whose ``success`` is true.
@@ -140,25 +168,25 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        url = httpx.URL(f"{self.base_url}/update_weights_from_disk")
-        response = await self._send("POST", url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
-        reply = _json_object(response)
+        url = f"{self.base_url}/update_weights_from_disk"
+        received = await self._send("POST", url, content=json.dumps(body).encode(), headers=_JSON_BODY)
+        reply = _json_object(received, url)
         if reply.get("success") is not True:
-            raise EngineProtocolError(f"weight update answered without success: {snippet(response.content, 256)}", url=str(url))
+            raise EngineProtocolError(f"weight update answered without success: {snippet(received, 256)}", url=url)
         return reply
 
     async def weight_version(self) -> str:
         """``GET /get_weight_version``: the version of the weights the engine serves now."""
-        url = httpx.URL(f"{self.base_url}/get_weight_version")
-        reply = _json_object(await self._send("GET", url))
+        url = f"{self.base_url}/get_weight_version"
+        reply = _json_object(await self._send("GET", url), url)
         version = reply.get("weight_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
-            raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=str(url))
+            raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=url)
         return str(version)
 
     async def aclose(self) -> None:
-        for transport in self._transports:
-            await transport.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -169,49 +197,216 @@ class EngineClient:
     async def _send(
         self,
         method: str,
-        url: httpx.URL,
+        url: str,
         *,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         shard_key: str | None = None,
-    ) -> httpx.Response:
+    ) -> bytes:
+        """The body of a 2xx reply to one request, retried only while it provably never left."""
         index = hash(shard_key) if shard_key is not None else next(self._next_shard)
-        transport = self._transports[index % len(self._transports)]
-        request = httpx.Request(
-            method, url, headers={**self._headers, **(headers or {})}, content=content, extensions={"timeout": self._timeout}
-        )
+        pool = self._pools[index % len(self._pools)]
         attempt = 0
         while True:
             try:
-                response = await transport.handle_async_request(request)
-                response.request = request
-                await response.aread()
+                status, received = await pool.exchange(method, url, headers or {}, content)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the engine: the only failure that is safe to retry.
                 if attempt >= self.connect_retries:
                     kind = EngineTimeoutError if isinstance(exc, httpx.ConnectTimeout) else EngineConnectionError
                     raise kind(
-                        f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=str(url)
+                        f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=url
                     ) from exc
                 await asyncio.sleep(self.retry_backoff * 2**attempt)
                 attempt += 1
             except httpx.TimeoutException as exc:
-                raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=str(url)) from exc
+                raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=url) from exc
             except httpx.TransportError as exc:
-                raise EngineConnectionError(f"connection to the engine failed: {_describe(exc)}", url=str(url)) from exc
-        if not 200 <= response.status_code < 300:
-            raise EngineHTTPError(response.status_code, snippet(response.content), url=str(url))
-        return response
+                raise EngineConnectionError(f"connection to the engine failed: {_describe(exc)}", url=url) from exc
+        if not 200 <= status < 300:
+            raise EngineHTTPError(status, snippet(received), url=url)
+        return received
 
 
-def _json_object(response: httpx.Response) -> dict[str, Any]:
-    url = str(response.request.url)
+_JSON_BODY = {"content-type": "application/json"}
+
+
+class _Pool(Protocol):
+    """Sends one request and reads the whole reply; failures raise httpx's exception types."""
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _AiohttpPool:
+    """One aiohttp connection pool, created on the first request inside the event loop using it."""
+
+    def __init__(
+        self, headers: Mapping[str, str], timeout: float, connect_timeout: float, *, max_connections: int, tls: ssl.SSLContext
+    ) -> None:
+        self._headers = dict(headers)
+        # Waiting for a pool slot and connecting are bounded together (aiohttp's "connect"), the
+        # connect itself by connect_timeout; every read by timeout (aiohttp has no write timeout:
+        # a write the engine never reads ends in the read timeout).
+        self._timeout = aiohttp.ClientTimeout(connect=timeout, sock_connect=connect_timeout, sock_read=timeout)
+        self._max_connections = max_connections
+        self._tls = tls
+        self._session: aiohttp.ClientSession | None = None
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, ssl=self._tls, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                timeout=self._timeout,
+                skip_auto_headers=("Accept-Encoding",),  # replies are read as sent, never compressed
+                auto_decompress=False,
+            )
+        try:
+            async with self._session.request(method, url, headers=headers, data=content, allow_redirects=False) as reply:
+                return reply.status, await reply.read()
+        except aiohttp.ClientError as exc:
+            raise _as_httpx_error(exc) from exc
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _TransportPool:
+    """An httpx transport in place of the network (``EngineClient(transport=...)``)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, headers: Mapping[str, str], timeout: httpx.Timeout) -> None:
+        self._transport = transport
+        self._headers = dict(headers)
+        self._timeout = timeout.as_dict()
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]:
+        request = httpx.Request(
+            method, url, headers={**self._headers, **headers}, content=content, extensions={"timeout": self._timeout}
+        )
+        response = await self._transport.handle_async_request(request)
+        return response.status_code, await response.aread()
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+
+class _AppPool:
+    """An ASGI app called in-process (``EngineClient(app=...)``) with one whole request.
+
+    The app sees a client that stays connected until the whole reply is sent (then
+    ``http.disconnect``). It must need no lifespan startup (the engine's app needs none).
+    """
+
+    def __init__(self, app: ASGIApp, headers: Mapping[str, str], timeout: float) -> None:
+        self._app = app
+        self._headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        self._timeout = timeout
+
+    async def exchange(
+        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+    ) -> tuple[int, bytes]:
+        try:
+            return await asyncio.wait_for(self._call(method, url, headers, content or b""), self._timeout)
+        except TimeoutError:  # wait_for cancelled the app: the engine's app aborts the generation
+            raise httpx.ReadTimeout(f"no complete reply within {self._timeout} s") from None
+
+    async def _call(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> tuple[int, bytes]:
+        parts = urlsplit(url)
+        request_headers = [
+            *self._headers,
+            *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()),
+            (b"host", parts.netloc.encode("latin-1")),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": parts.scheme,
+            "path": unquote(parts.path),
+            "raw_path": parts.path.encode("latin-1"),
+            "query_string": parts.query.encode("latin-1"),
+            "root_path": "",
+            "headers": request_headers,
+            "client": None,
+            "server": (parts.hostname, parts.port),
+        }
+        replied = asyncio.Event()
+        body_sent = False
+        status, chunks = 0, []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await replied.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    replied.set()
+
+        try:
+            await self._app(scope, receive, send)
+        except Exception as exc:
+            if not replied.is_set():
+                raise httpx.RemoteProtocolError(f"the in-process app raised {type(exc).__name__}: {exc}") from exc
+            # Starlette re-raises after sending its 500 reply; a server would log it, so do we
+            logger.error("the in-process app raised after replying (%s %s)", method, url, exc_info=exc)
+        if not replied.is_set():
+            raise httpx.RemoteProtocolError("the in-process app returned without a complete reply")
+        return status, b"".join(chunks)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _as_httpx_error(exc: aiohttp.ClientError) -> httpx.TransportError:
+    """The httpx exception for an aiohttp failure, chosen by what it proves about the request:
+    only :class:`httpx.ConnectError` and :class:`httpx.ConnectTimeout` mean it never left."""
+    # Subclasses first: a ConnectionTimeoutError is also a ServerTimeoutError, and every
+    # ClientConnectorError is a ClientOSError.
+    kind: type[httpx.TransportError]
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # waiting for a pool slot or a connect
+        kind = httpx.ConnectTimeout
+    elif isinstance(exc, aiohttp.ClientConnectorError):  # refused, unreachable, DNS, TLS handshake
+        kind = httpx.ConnectError
+    elif isinstance(exc, aiohttp.ServerTimeoutError):  # the socket read timed out
+        kind = httpx.ReadTimeout
+    elif isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientResponseError)):
+        kind = httpx.RemoteProtocolError  # closed without a reply, or not valid HTTP
+    elif isinstance(exc, aiohttp.InvalidURL):
+        kind = httpx.UnsupportedProtocol
+    else:  # a reset, a cut-off body: the request may have been served
+        kind = httpx.ReadError
+    return kind(str(exc) or type(exc).__name__)
+
+
+def _json_object(content: bytes, url: str) -> dict[str, Any]:
     try:
-        data = strict_json.loads(response.content)
+        data = strict_json.loads(content)
     except ValueError as exc:
         raise EngineProtocolError(
-            f"engine reply is not valid JSON ({_describe(exc)}): {snippet(response.content, 128)}", url=url
+            f"engine reply is not valid JSON ({_describe(exc)}): {snippet(content, 128)}", url=url
         ) from exc
     if not isinstance(data, dict):
         raise EngineProtocolError(f"engine reply is JSON {type(data).__name__}, expected an object", url=url)

@@ -2,7 +2,7 @@
 
 Layers, each in its own module:
 
-* transport -- :mod:`.server` (Starlette routes, SSE, JSON errors) and :mod:`.embed` (in-thread)
+* transport -- :mod:`.server` (an ASGI app: routes, SSE, JSON errors) and :mod:`.embed` (uvicorn)
 * :mod:`.normalize` -- pure request normalizer (client body -> :class:`~.normalize.ChatRequest`)
 * :mod:`.completion` -- typed completion extractor (upstream reply -> :class:`~.completion.Completion`)
 * :mod:`.tokens` -- the token invariants every version relies on (neutral, shared)

@@ -62,7 +62,7 @@ def serve(
     POST /sessions/{id}/samples. Bad options exit 2 before anything listens.
     """
     from miles_core.session.config import SessionServerConfig
-    from miles_core.session.embed import base_url, bind_socket, uvicorn_server
+    from miles_core.session.embed import base_url, bind_socket, serve_forever
     from miles_core.session.server import build_app
 
     config = SessionServerConfig(
@@ -81,7 +81,7 @@ def serve(
     sock = bind_socket(host, port)
     click.echo(f"miles session server (version {version}) listening on {base_url(sock)}, upstream {upstream_url}")
     sys.stdout.flush()
-    uvicorn_server(app, log_level=log_level, access_log=True).run(sockets=[sock])
+    serve_forever(app, sock, log_level=log_level, access_log=True)
 
 
 @session.command()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from miles_core.session.errors import UpstreamFailure
@@ -89,13 +90,18 @@ def _split_pairs(pairs: list[Any]) -> tuple[list[int], list[float]]:
     """Token ids and log-probs of ``[logprob, token_id]`` pairs: a bulk check for the common
     case (completions run to thousands of tokens), then a per-entry pass that names the first
     bad entry or accepts unusual but valid spellings (tuples, int subclasses)."""
-    if all(type(p) is list and len(p) >= 2 for p in pairs):
-        token_ids = [p[1] for p in pairs]
-        logprobs = [p[0] for p in pairs]
-        if all(type(t) is int and t >= 0 for t in token_ids) and all(
-            (type(x) is float or type(x) is int) and -math.inf < x <= 0 for x in logprobs
+    if pairs and set(map(type, pairs)) == {list} and min(map(len, pairs)) >= 2:
+        token_ids = list(map(itemgetter(1), pairs))
+        logprobs = list(map(itemgetter(0), pairs))
+        logprob_types = set(map(type, logprobs))
+        if (
+            set(map(type, token_ids)) == {int}
+            and min(token_ids) >= 0
+            and logprob_types <= {float, int}
+            and max(logprobs) <= 0
+            and math.isfinite(sum(logprobs))  # no -inf or NaN among them
         ):
-            return token_ids, [float(x) for x in logprobs]
+            return token_ids, logprobs if logprob_types == {float} else list(map(float, logprobs))
     token_ids, logprobs = [], []
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (list, tuple)) or len(pair) < 2:

@@ -12,8 +12,9 @@ from miles_core.plugins import MilesPluginManager
 
 #: distribution -> module the session server imports on activation
 SERVER_DEPENDENCIES = {
-    "starlette": "starlette",
     "uvicorn": "uvicorn",
+    "aiohttp": "aiohttp",
+    "orjson": "orjson",
     "httpx": "httpx",
     "h11": "h11",
     "pydantic": "pydantic",

@@ -13,6 +13,7 @@ the thread.
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -62,6 +63,18 @@ def uvicorn_server(app: Any, *, log_level: str = "warning", access_log: bool = F
     return uvicorn.Server(config)
 
 
+def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False) -> None:
+    """Serve ``app`` on ``sock`` in this process until it is stopped (``miles session serve``).
+
+    Everything alive at this point -- transformers, torch and the tokenizer, ~230k objects -- is
+    first moved out of the cyclic garbage collector's reach (:func:`gc.freeze`): otherwise every
+    full collection rescans all of it, a ~150 ms stall of each session in flight. Only for a
+    process that exists to serve: frozen objects that later become cyclic garbage are never freed.
+    """
+    gc.freeze()
+    uvicorn_server(app, log_level=log_level, access_log=access_log).run(sockets=[sock])
+
+
 @contextmanager
 def run_app_in_thread(
     app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0, log_level: str = "warning"
@@ -94,9 +107,16 @@ def serve_in_thread(
     port: int = 0,
     pm: MilesPluginManager | None = None,
     tokenizer: PromptTokenizer | None = None,
+    upstream_app: Any = None,
 ) -> Iterator[str]:
-    """Build the session server for ``config`` (activation errors raise here) and serve it."""
+    """Build the session server for ``config`` (activation errors raise here) and serve it.
+
+    ``upstream_app``: the engine's ASGI app when the engine runs in this process (see
+    :func:`~miles_core.session.server.build_app`): each turn then calls it directly, ~16% less
+    time per rollout of the tiny ``miles train`` preset than going through its HTTP server.
+    """
     from miles_core.session.server import build_app
 
-    with run_app_in_thread(build_app(config, pm=pm, tokenizer=tokenizer), host=host, port=port) as url:
+    app = build_app(config, pm=pm, tokenizer=tokenizer, upstream_app=upstream_app)
+    with run_app_in_thread(app, host=host, port=port) as url:
         yield url

@@ -46,6 +46,16 @@ class SessionNotFound(SessionError):
     type = "not_found_error"
 
 
+class RouteNotFound(SessionError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(SessionError):
+    status = 405
+    type = "method_not_allowed_error"
+
+
 class Conflict(SessionError):
     """The request is valid but conflicts with the session's state (busy, closing, truncated)."""
 

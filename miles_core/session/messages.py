@@ -34,17 +34,20 @@ def text_of(content: Any) -> str:
 def canonical_message(message: Mapping[str, Any]) -> Message:
     """The message as the chat template sees it: string content, no ``null`` decoration."""
     out: Message = {"role": message["role"], "content": text_of(message.get("content"))}
-    for name in RENDERED_FIELDS:
-        value = message.get(name)
-        if value is not None and value != []:
-            out[name] = value
+    if len(message) > 1 + ("content" in message):  # most history messages hold just role and content
+        for name in RENDERED_FIELDS:
+            value = message.get(name)
+            if value is not None and value != []:
+                out[name] = value
     return out
 
 
 def message_key(message: Mapping[str, Any]) -> MessageKey:
-    calls = tuple(
-        (call["function"]["name"], _arguments_key(call["function"].get("arguments")))
-        for call in message.get("tool_calls") or ()
+    tool_calls = message.get("tool_calls")  # every turn re-keys the whole history: skip the empty loop
+    calls = (
+        tuple((call["function"]["name"], _arguments_key(call["function"].get("arguments"))) for call in tool_calls)
+        if tool_calls
+        else ()
     )
     return (
         message["role"],

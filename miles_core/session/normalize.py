@@ -109,11 +109,11 @@ def normalize_chat_request(body: bytes) -> ChatRequest:
     parsed = _validate(_ChatBody, raw)
     messages = raw["messages"]
     try:
-        keys = tuple(message_key(m) for m in messages)
+        keys = tuple(map(message_key, messages))
     except RecursionError:
         raise InvalidRequest("messages: tool-call arguments are nested too deeply") from None
     return ChatRequest(
-        messages=tuple(canonical_message(m) for m in messages),
+        messages=tuple(map(canonical_message, messages)),
         keys=keys,
         tools=raw.get("tools"),
         template_kwargs=dict(raw.get("chat_template_kwargs") or {}),

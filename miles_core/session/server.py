@@ -1,4 +1,4 @@
-"""HTTP transport of the session server (Starlette; run it with uvicorn).
+"""HTTP transport of the session server: a small ASGI app (run it with uvicorn).
 
 Routes (the public contract)::
 
@@ -10,32 +10,41 @@ Routes (the public contract)::
     POST   /sessions/{id}/samples                 -> {"session_id", "version", "samples", "empty_reason"}
 
 Every error is JSON ``{"error": {"type", "message"}}`` with a bounded message and no stack trace.
-Large replies (records, samples) are serialized in a worker thread so one long trajectory does
-not stall other sessions.
+Large replies (records; samples of sessions past :data:`INLINE_SAMPLES_TOKENS`) are serialized in
+a worker thread so one long trajectory does not stall other sessions.
+
+Six fixed routes need no framework: the app matches the path itself and answers from whole
+bodies. (Starlette's middleware and routing layers cost more CPU per turn than the session
+server's own JSON work, and kept ~10 extra coroutine frames per request alive for the garbage
+collector to rescan.)
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
-
-from miles_core.engine.client import EngineClient
+from miles_core.engine.client import ASGIApp, EngineClient
 from miles_core.plugins import MilesPluginManager, get_plugin_manager
 from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
-from miles_core.session.errors import PayloadTooLarge, SessionError, bounded
+from miles_core.session.errors import MethodNotAllowed, PayloadTooLarge, RouteNotFound, SessionError, bounded
 from miles_core.session.service import SessionService
+from miles_core.strict_json import dumps
 
-HTTP_ERROR_TYPES = {404: "not_found_error", 405: "method_not_allowed_error"}
+logger = logging.getLogger("uvicorn.error")  # the server's log, configured by uvicorn (--log-level)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+JSON = b"application/json"
+#: samples of a session with at most this many committed tokens are assembled on the event loop:
+#: 32k tokens take ~1 ms (benchmarks/session_overhead.py), and for the short episodes of RL
+#: rollouts the hand-off to a worker thread and back cost more than the work
+INLINE_SAMPLES_TOKENS = 8192
 
 
 def activate_version(name: str, pm: MilesPluginManager | None = None) -> SessionVersion:
@@ -51,9 +60,14 @@ def build_app(
     *,
     pm: MilesPluginManager | None = None,
     tokenizer: PromptTokenizer | None = None,
-) -> Starlette:
+    upstream_app: ASGIApp | None = None,
+) -> SessionApp:
     """Activate the configured version and load the tokenizer now (fail fast), then return the
-    app; the engine client lives from the app's startup to its shutdown."""
+    app; the engine client lives from the app's startup to its shutdown.
+
+    ``upstream_app``: the engine's ASGI app when it runs in this process; the session server
+    then calls it directly instead of over HTTP (``config.upstream_url`` still names it in errors).
+    """
     version = activate_version(config.version, pm)
     if tokenizer is None:
         from miles_core.session.tokenizer import ChatTokenizer
@@ -61,105 +75,188 @@ def build_app(
         tokenizer = ChatTokenizer.from_dir(
             config.tokenizer_dir, chat_template=config.chat_template, family=config.template_family
         )
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with EngineClient(
-            config.upstream_url,
-            timeout=config.upstream_timeout,
-            connect_timeout=config.connect_timeout,
-            connect_retries=config.connect_retries,
-            headers=config.upstream_headers,
-        ) as engine:
-            app.state.service = SessionService(version, tokenizer, engine, limits=config.limits)
-            app.state.max_body_bytes = config.max_body_bytes
-            yield
-
-    return Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/sessions", create_session, methods=["POST"]),
-            Route("/sessions/{session_id}", get_session, methods=["GET"]),
-            Route("/sessions/{session_id}", delete_session, methods=["DELETE"]),
-            Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/sessions/{session_id}/samples", samples, methods=["POST"]),
-        ],
-        exception_handlers={SessionError: session_error, HTTPException: http_error, Exception: internal_error},
-        lifespan=lifespan,
-    )
+    return SessionApp(config, version, tokenizer, upstream_app)
 
 
-# -- routes -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole HTTP reply (``content_type=None``: no body, as for 204)."""
+
+    body: bytes = b""
+    status: int = 200
+    content_type: bytes | None = JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
-def _service(request: Request) -> SessionService:
-    return request.app.state.service
+class ClientDisconnected(Exception):
+    """The client went away before its request body was read: nothing to answer."""
 
 
-async def read_body(request: Request) -> bytes:
-    """The request body, refused with 413 past ``max_body_bytes`` (before reading it all)."""
-    limit = request.app.state.max_body_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds max_body_bytes={limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds max_body_bytes={limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
+class SessionApp:
+    """The ASGI app: lifespan (the engine client and the service) and the routes."""
+
+    def __init__(
+        self,
+        config: SessionServerConfig,
+        version: SessionVersion,
+        tokenizer: PromptTokenizer,
+        upstream_app: ASGIApp | None = None,
+    ) -> None:
+        self.config = config
+        self.version = version
+        self.tokenizer = tokenizer
+        self.upstream_app = upstream_app
+        self.service: SessionService | None = None  # set at startup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1000, "reason": ""})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        config = self.config
+        try:
+            engine = EngineClient(
+                config.upstream_url,
+                timeout=config.upstream_timeout,
+                connect_timeout=config.connect_timeout,
+                connect_retries=config.connect_retries,
+                headers=config.upstream_headers,
+                app=self.upstream_app,
+            )
+        except Exception as exc:
+            await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
+            return
+        self.service = SessionService(self.version, self.tokenizer, engine, limits=config.limits)
+        await send({"type": "lifespan.startup.complete"})
+        try:
+            await receive()  # lifespan.shutdown
+        finally:
+            await engine.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            handler, session_id = route(scope["method"], scope["path"])
+            reply = await handler(self, session_id, scope, receive)
+        except SessionError as exc:
+            reply = error_reply(exc.status, exc.type, exc.message)
+        except ClientDisconnected:
+            return
+        except Exception as exc:
+            # A bug: the traceback goes to the server log, the client gets a bounded 500 and keeps
+            # its connection (raising to uvicorn would close it, sometimes before the reply is read).
+            logger.exception("Exception in ASGI application (%s %s)", scope["method"], scope["path"][:200])
+            reply = error_reply(500, "internal_error", f"internal error ({type(exc).__name__}); see the server log")
+        await send_reply(send, reply)
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def _service(self) -> SessionService:
+        if self.service is None:
+            raise RuntimeError("the session app serves requests only between its lifespan startup and shutdown")
+        return self.service
+
+    async def health(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
+        return Reply(dumps(self._service().health()))
+
+    async def create_session(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
+        body = await self._body(scope, receive)
+        return Reply(dumps({"session_id": self._service().create(body)}))
+
+    async def get_session(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
+        described = self._service().describe(session_id)
+        return Reply(await asyncio.to_thread(dumps, described))
+
+    async def delete_session(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
+        await self._service().delete(session_id)
+        return Reply(status=204, content_type=None)
+
+    async def chat_completions(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
+        outcome = await self._service().chat(session_id, await self._body(scope, receive))
+        if outcome.stream:
+            return Reply(
+                sse_events(outcome.reply, include_usage=outcome.include_usage),
+                content_type=b"text/event-stream; charset=utf-8",
+                headers=((b"cache-control", b"no-cache"),),
+            )
+        return Reply(dumps(outcome.reply))
+
+    async def samples(self, session_id: str, scope: Scope, receive: Receive) -> Reply:
+        service = self._service()
+        session, options = service.sample_job(session_id, await self._body(scope, receive))
+
+        def encode() -> bytes:
+            return dumps(service.assemble(session, options))
+
+        if session.committed_tokens <= INLINE_SAMPLES_TOKENS:
+            return Reply(encode())
+        return Reply(await asyncio.to_thread(encode))
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        """The request body, refused with 413 past ``max_body_bytes`` (before reading it all)."""
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise PayloadTooLarge(f"request body of {value.decode()} bytes exceeds max_body_bytes={limit}")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds max_body_bytes={limit}")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
 
-async def health(request: Request) -> Response:
-    return json_response(_service(request).health())
+Handler = Callable[[SessionApp, str, Scope, Receive], Awaitable[Reply]]
+
+#: path shape -> {method: handler}; "*" stands for the session id
+ROUTES: dict[tuple[str, ...], dict[str, Handler]] = {
+    ("health",): {"GET": SessionApp.health},
+    ("sessions",): {"POST": SessionApp.create_session},
+    ("sessions", "*"): {"GET": SessionApp.get_session, "DELETE": SessionApp.delete_session},
+    ("sessions", "*", "v1", "chat", "completions"): {"POST": SessionApp.chat_completions},
+    ("sessions", "*", "samples"): {"POST": SessionApp.samples},
+}
 
 
-async def create_session(request: Request) -> Response:
-    return json_response({"session_id": _service(request).create(await read_body(request))})
+def route(method: str, path: str) -> tuple[Handler, str]:
+    """The handler of ``method path`` and the session id in the path (``""`` if none)."""
+    parts = tuple(path.split("/")[1:]) if path.startswith("/") else ()
+    session_id = ""
+    if len(parts) >= 2 and parts[0] == "sessions" and parts[1]:
+        session_id, parts = parts[1], ("sessions", "*", *parts[2:])
+    methods = ROUTES.get(parts)
+    if methods is None:
+        raise RouteNotFound(f"no route {method} {path[:200]}")
+    handler = methods.get("GET" if method == "HEAD" else method)
+    if handler is None:
+        raise MethodNotAllowed(f"{method} is not allowed on {path[:200]} (allowed: {', '.join(methods)})")
+    return handler, session_id
 
 
-async def get_session(request: Request) -> Response:
-    described = _service(request).describe(request.path_params["session_id"])
-    return Response(await run_in_threadpool(dumps, described), media_type="application/json")
+# -- encoding ---------------------------------------------------------------------------------
 
 
-async def delete_session(request: Request) -> Response:
-    await _service(request).delete(request.path_params["session_id"])
-    return Response(status_code=204)
+async def send_reply(send: Send, reply: Reply) -> None:
+    headers = [*reply.headers]
+    if reply.content_type is not None:
+        headers += [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode())]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})
 
 
-async def chat_completions(request: Request) -> Response:
-    outcome = await _service(request).chat(request.path_params["session_id"], await read_body(request))
-    if outcome.stream:
-        return Response(
-            sse_events(outcome.reply, include_usage=outcome.include_usage),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache"},
-        )
-    return json_response(outcome.reply)
-
-
-async def samples(request: Request) -> Response:
-    service = _service(request)
-    session, options = service.sample_job(request.path_params["session_id"], await read_body(request))
-    body = await run_in_threadpool(lambda: dumps(service.assemble(session, options)))
-    return Response(body, media_type="application/json")
-
-
-# -- encoding and errors ------------------------------------------------------------------------
-
-
-def dumps(data: Any) -> bytes:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def json_response(data: Any, status_code: int = 200) -> Response:
-    return Response(dumps(data), status_code=status_code, media_type="application/json")
-
-
-def error_response(status_code: int, error_type: str, message: str) -> Response:
-    return json_response({"error": {"type": error_type, "message": bounded(message)}}, status_code)
+def error_reply(status: int, error_type: str, message: str) -> Reply:
+    return Reply(dumps({"error": {"type": error_type, "message": bounded(message)}}), status=status)
 
 
 def sse_events(reply: dict[str, Any], *, include_usage: bool) -> bytes:
@@ -180,18 +277,3 @@ def sse_events(reply: dict[str, Any], *, include_usage: bool) -> bytes:
     if include_usage and "usage" in reply:
         events.append({**header, "object": "chat.completion.chunk", "choices": [], "usage": reply["usage"]})
     return b"".join(b"data: " + dumps(event) + b"\n\n" for event in events) + b"data: [DONE]\n\n"
-
-
-async def session_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, SessionError)
-    return error_response(exc.status, exc.type, exc.message)
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return error_response(exc.status_code, HTTP_ERROR_TYPES.get(exc.status_code, "http_error"), str(exc.detail))
-
-
-async def internal_error(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises after this reply, so the traceback reaches the server log.
-    return error_response(500, "internal_error", f"internal error ({type(exc).__name__}); see the server log")

@@ -14,6 +14,7 @@ are never attach points: only generated turns are.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,12 +34,25 @@ SERVER_METADATA_KEYS = frozenset({"leaf", "turns", "finish_reason", "dropped_tur
 
 @dataclass(frozen=True)
 class TurnRecord:
-    """What went over the wire for one turn."""
+    """What went over the wire for one turn, as the exact bytes.
 
-    request: dict[str, Any]  # the body sent upstream (input_ids and forced flags included)
-    response: dict[str, Any]  # the upstream reply, as received
+    Bytes rather than parsed JSON: a server holds thousands of records, and parsed, each is
+    dozens of objects (one per message and log-prob pair) that every full garbage collection
+    rescans, at several times the memory. They are parsed when the session is described.
+    """
+
+    request_body: bytes  # the JSON body sent upstream (input_ids and forced flags included)
+    response_body: bytes  # the upstream reply, as received
     started_at: float
     finished_at: float
+
+    @property
+    def request(self) -> dict[str, Any]:
+        return json.loads(self.request_body)
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return json.loads(self.response_body)
 
 
 @dataclass(frozen=True, eq=False)

@@ -32,6 +32,7 @@ from miles_core.session.normalize import ChatRequest, normalize_chat_request
 from miles_core.session.tokenizer import Appended
 from miles_core.session.tokens import TokenInvariantError, check_extends
 from miles_core.session.trajectory import Plan, SampleOptions, TurnRecord
+from miles_core.strict_json import dumps
 
 
 class ConformanceError(AssertionError):
@@ -110,7 +111,8 @@ class Driver:
 
     def commit(self, plan: Plan, done: Completion) -> None:
         body = {"input_ids": list(plan.prompt_ids)}
-        self.store.commit(plan, done, TurnRecord(request=body, response={"reply": done.message}, started_at=0.0, finished_at=0.0))
+        record = TurnRecord(dumps(body), dumps({"reply": done.message}), started_at=0.0, finished_at=0.0)
+        self.store.commit(plan, done, record)
 
     def state(self) -> str:
         """Everything observable, canonically serialized (equal strings = identical state)."""

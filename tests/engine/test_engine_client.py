@@ -3,7 +3,9 @@
 import asyncio
 import json
 import socket
+from types import SimpleNamespace
 
+import aiohttp
 import httpx
 import pytest
 
@@ -15,10 +17,11 @@ from miles_core.engine.client import (
     EngineHTTPError,
     EngineProtocolError,
     EngineTimeoutError,
+    _as_httpx_error,
 )
 from miles_core.testing.engine_stub import Fault, FixedReply, StubEngine, chat_reply
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 REPLY = chat_reply("r", {"role": "assistant", "content": "ok"}, [1, 2], "stop", prompt_tokens=3)
 
@@ -128,8 +131,14 @@ def test_against_a_real_socket() -> None:
     with StubEngine(FixedReply(REPLY)) as stub:
 
         async def scenario():
-            async with EngineClient(stub.url, timeout=0.3, connect_retries=0) as client:
-                assert (await client.chat_completions({"input_ids": [1]}))["id"] == "r"
+            async with EngineClient(
+                stub.url, timeout=0.3, connect_retries=2, retry_backoff=0.001, headers={"Authorization": "Bearer t"}
+            ) as client:
+                assert (await client.chat_completions({"input_ids": [1]}, routing_key="s1"))["id"] == "r"
+                [sent] = stub.chat_requests()
+                assert sent.body == b'{"input_ids":[1]}' and "accept-encoding" not in sent.headers
+                assert sent.headers["content-type"] == "application/json" and sent.headers["authorization"] == "Bearer t"
+                assert sent.headers[ROUTING_KEY_HEADER.lower()] == "s1" and sent.headers["user-agent"].startswith("miles/")
                 stub.inject(Fault.TIMEOUT)
                 with pytest.raises(EngineTimeoutError):
                     await client.chat_completions({"input_ids": [1]})
@@ -139,6 +148,7 @@ def test_against_a_real_socket() -> None:
                 assert json.loads(stub.chat_requests()[-1].body) == {"input_ids": [1]}
 
         _run(scenario())
+        assert len(stub.chat_requests()) == 3  # a request that reached the engine is never sent again
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -149,6 +159,22 @@ def test_against_a_real_socket() -> None:
 
     with pytest.raises(EngineConnectionError, match="after 2 attempt"):
         _run(refused())
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (aiohttp.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
+        (aiohttp.ClientConnectorError(SimpleNamespace(host="h", port=1, ssl=True), ConnectionRefusedError(111, "refused")), httpx.ConnectError),
+        (aiohttp.SocketTimeoutError("read"), httpx.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), httpx.RemoteProtocolError),
+        (aiohttp.ClientPayloadError("cut off"), httpx.ReadError),
+        (aiohttp.ClientOSError(104, "reset"), httpx.ReadError),
+    ],
+)
+def test_aiohttp_errors_map_to_what_they_prove(error, expected) -> None:
+    """Only failures before the request left become the connect errors the client retries."""
+    assert type(_as_httpx_error(error)) is expected
 
 
 def test_weight_update_and_version_against_the_embedded_engine(tiny_dir, tmp_path) -> None:
@@ -191,3 +217,73 @@ def test_weight_replies_that_break_the_contract_are_protocol_errors(path: str, b
 
     with pytest.raises(EngineProtocolError, match=message):
         _run(call())
+
+
+def _asgi_app(reply: bytes = b'{"id": "r"}', status: int = 200, *, fail: Exception | None = None,
+              fail_after_reply: bool = False, hang: asyncio.Event | None = None, seen: list | None = None):
+    """A small ASGI app: records what it was sent, then replies, raises or hangs."""
+
+    async def app(scope, receive, send):
+        message = await receive()
+        if seen is not None:
+            seen.append((scope, message["body"]))
+        if hang is not None:
+            try:
+                await asyncio.sleep(60)
+            finally:
+                hang.set()  # cancelled by the client's timeout
+        if fail is not None and not fail_after_reply:
+            raise fail
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": reply[:3], "more_body": True})
+        await send({"type": "http.response.body", "body": reply[3:]})
+        if fail is not None:
+            raise fail
+
+    return app
+
+
+def test_an_in_process_app_gets_the_request_a_server_would_parse() -> None:
+    seen: list = []
+
+    async def scenario():
+        async with EngineClient("http://engine:7/base", app=_asgi_app(seen=seen), headers={"Authorization": "Bearer t"}) as client:
+            reply, raw = await client.chat_completions_raw(b'{"input_ids":[1]}', routing_key="s1")
+            assert reply == {"id": "r"} and raw == b'{"id": "r"}'  # chunks joined, bytes as sent
+
+    _run(scenario())
+    [(scope, body)] = seen
+    headers = dict(scope["headers"])
+    assert body == b'{"input_ids":[1]}' and scope["method"] == "POST" and scope["path"] == "/base/v1/chat/completions"
+    assert headers[b"content-length"] == b"17" and headers[b"host"] == b"engine:7"
+    assert headers[b"authorization"] == b"Bearer t" and headers[ROUTING_KEY_HEADER.lower().encode()] == b"s1"
+
+
+def test_in_process_failures_map_like_network_ones(caplog) -> None:
+    async def chat(app, **kwargs):
+        async with EngineClient("http://engine:1", app=app, **kwargs) as client:
+            return await client.chat_completions({"input_ids": [1]})
+
+    with pytest.raises(EngineHTTPError, match="HTTP 400") as refused:
+        _run(chat(_asgi_app(b'{"error": "bad"}', 400)))
+    assert refused.value.status_code == 400
+    calls: list = []
+    with pytest.raises(EngineConnectionError, match="RuntimeError: boom"):
+        _run(chat(_asgi_app(fail=RuntimeError("boom"), seen=calls), connect_retries=3))
+    assert len(calls) == 1  # it reached the engine: never sent again
+    # Starlette re-raises a handler's exception after sending its 500: the reply stands, the error is logged
+    with pytest.raises(EngineHTTPError, match="HTTP 500"):
+        _run(chat(_asgi_app(b'{"error": "internal"}', 500, fail=RuntimeError("late"), fail_after_reply=True)))
+    assert "raised after replying" in caplog.text and "late" in caplog.text
+    with pytest.raises(EngineProtocolError):
+        _run(chat(_asgi_app(b"not json")))
+
+    async def timed_out():
+        cancelled = asyncio.Event()
+        with pytest.raises(EngineTimeoutError, match=r"no complete reply within 0\.05 s"):
+            await chat(_asgi_app(hang=cancelled), timeout=0.05)
+        assert cancelled.is_set()  # the app was cancelled (the engine's app then aborts the generation)
+
+    _run(timed_out())
+    with pytest.raises(ValueError, match="at most one of transport and app"):
+        EngineClient("http://engine:1", app=_asgi_app(), transport=httpx.MockTransport(lambda r: httpx.Response(200)))

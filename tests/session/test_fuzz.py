@@ -116,3 +116,14 @@ def test_arbitrary_bodies(session, body) -> None:
     harness, sid, _ = session
     raw = body.encode("latin-1", "replace") if isinstance(body, str) else json.dumps(body).encode()
     _check(harness, sid, raw)
+
+
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400"])
+def test_numbers_beyond_a_float_are_refused(serve, literal) -> None:
+    """Python reads them as infinity, which no JSON encoder writes back: 400, not a 500 later."""
+    harness = serve("v1")
+    sid = harness.create()
+    before = harness.state(sid).content
+    response = harness.chat(sid, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + literal + b"}")
+    assert response.status_code == 400 and "out of range" in response.json()["error"]["message"]
+    assert harness.state(sid).content == before

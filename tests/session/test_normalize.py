@@ -3,10 +3,12 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.session.errors import InvalidRequest
-from miles_core.session.messages import message_key
+from miles_core.session.messages import RENDERED_FIELDS, canonical_message, message_key, text_of
 from miles_core.session.normalize import (
     FORCED_UPSTREAM_FLAGS,
     normalize_chat_request,
@@ -101,3 +103,29 @@ def test_samples_options() -> None:
     ]:
         with pytest.raises(InvalidRequest, match=expected):
             normalize_samples_request(body)
+
+
+_fields = st.none() | st.text(max_size=4) | st.just([]) | st.lists(st.text(max_size=3), max_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool"])},
+        optional={
+            "content": st.none() | st.text(max_size=5) | st.just([{"type": "text", "text": "p"}]),
+            "name": _fields,
+            "tool_call_id": _fields,
+            "reasoning_content": _fields,
+            "refusal": _fields,
+            "tool_calls": st.none() | st.just([]) | st.just([{"function": {"name": "f", "arguments": '{"a": 1}'}}]),
+        },
+    )
+)
+def test_canonical_message_keeps_exactly_the_rendered_fields(message) -> None:
+    expected = {"role": message["role"], "content": text_of(message.get("content"))}
+    expected.update({k: message[k] for k in RENDERED_FIELDS if message.get(k) is not None and message.get(k) != []})
+    assert canonical_message(message) == expected
+    calls = tuple(("f", '{"a":1}') for _ in message.get("tool_calls") or ())
+    key = (message["role"], expected["content"], message.get("name"), message.get("tool_call_id"), calls)
+    assert message_key(message) == key

@@ -1,10 +1,13 @@
 """The HTTP surface: routes, status codes, JSON errors, SSE, samples options, lifecycle."""
 
+import asyncio
 import json
+import logging
 import threading
 import time
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.session import server
 from miles_core.session.trajectory import SERVER_METADATA_KEYS
 
 register_cpu_ci(est_time=20, suite="stage-a-cpu")
@@ -124,6 +127,30 @@ def test_samples_options(serve) -> None:
         assert f"metadata.{key}" in message
 
 
+def test_small_sessions_assemble_samples_inline_and_large_ones_in_a_worker(serve, monkeypatch) -> None:
+    """Same reply either way; only sessions past INLINE_SAMPLES_TOKENS leave the event loop."""
+    harness = serve("v2")
+    sid = harness.create()
+    a1 = harness.chat(sid, {"messages": [Q1]}).json()["choices"][0]["message"]
+    harness.chat(sid, {"messages": [Q1, a1, {"role": "user", "content": "two"}]})
+    committed = sum(turn["num_tokens"] for turn in harness.state(sid).json()["metadata"]["turns"])
+    offloaded = []
+    to_thread = asyncio.to_thread
+
+    async def spy(fn, *args):
+        offloaded.append(fn)
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(server.asyncio, "to_thread", spy)
+    url = f"/sessions/{sid}/samples"
+    monkeypatch.setattr(server, "INLINE_SAMPLES_TOKENS", committed)
+    inline = harness.client.post(url, content=b"{}")
+    assert inline.status_code == 200 and offloaded == []
+    monkeypatch.setattr(server, "INLINE_SAMPLES_TOKENS", committed - 1)
+    in_worker = harness.client.post(url, content=b"{}")
+    assert len(offloaded) == 1 and in_worker.content == inline.content
+
+
 def test_delete_waits_for_the_generation_in_flight(serve) -> None:
     harness = serve("v1", stub_delay=0.4)
     sid = harness.create()
@@ -150,3 +177,56 @@ def test_max_sessions(serve) -> None:
     _error(harness.client.post("/sessions"), 409, "conflict_error")
     harness.client.delete(f"/sessions/{ids[0]}")
     assert harness.create()
+
+
+def test_head_and_method_errors(serve) -> None:
+    client = serve("v1").client
+    head = client.head("/health")
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
+    assert "allowed: POST" in _error(client.get("/sessions"), 405, "method_not_allowed_error")
+    _error(client.get("/sessions//samples"), 404, "not_found_error")
+    _error(client.put("/sessions/abc"), 405, "method_not_allowed_error")
+
+
+def test_an_internal_error_is_a_bounded_500_and_changes_nothing(tokenizer_dir, chat_tokenizer) -> None:
+    """An exception that is not a session error (a bug) answers 500 JSON without the traceback;
+    the server keeps serving."""
+    import httpx
+
+    from miles_core.plugins import MilesPluginManager
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import serve_in_thread
+    from miles_core.testing.engine_stub import ScriptedChat, StubEngine
+    from miles_core.testing.isolation import register_builtins
+
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(chat_tokenizer, name)
+
+        def render_prompt(self, *args, **kwargs):
+            raise RuntimeError("secret detail")
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    pm = MilesPluginManager()
+    register_builtins(pm)
+    log = Records()
+    with StubEngine(ScriptedChat(chat_tokenizer)) as stub:
+        config = SessionServerConfig(upstream_url=stub.url, tokenizer_dir=tokenizer_dir)
+        with serve_in_thread(config, pm=pm, tokenizer=Broken()) as url, httpx.Client(base_url=url) as client:
+            logging.getLogger("uvicorn.error").addHandler(log)
+            try:
+                sid = client.post("/sessions").json()["session_id"]
+                reply = client.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": [Q1]})
+                message = _error(reply, 500, "internal_error")
+                assert "RuntimeError" in message and "secret" not in message
+                assert client.get(f"/sessions/{sid}").json()["records"] == [] and stub.chat_requests() == []
+            finally:
+                logging.getLogger("uvicorn.error").removeHandler(log)
+    assert any(r.exc_info and "secret detail" in str(r.exc_info[1]) for r in log.records)  # the traceback is logged

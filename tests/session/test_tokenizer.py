@@ -11,7 +11,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.families import detect_family
-from miles_core.session.tokenizer import DUMMY_HISTORY, ChatTokenizer
+from miles_core.session.tokenizer import DUMMY_HISTORY, BoundedCache, ChatTokenizer
 
 register_cpu_ci(est_time=19, suite="stage-a-cpu")
 
@@ -164,3 +164,65 @@ def test_chat_template_file_replaces_the_tokenizers(tmp_path, tokenizer_dir) -> 
 def test_request_errors_are_400(chat_tokenizer) -> None:
     with pytest.raises(InvalidRequest, match="chat_template_kwargs may not set tokenize"):
         chat_tokenizer.render_prompt([{"role": "user", "content": "x"}], tools=None, template_kwargs={"tokenize": True})
+
+
+
+ENCODE_PIECES = ["<|im_start|>", "<|im_end|>", "<|user|>", "[gMASK]", "\n", " ", "  x", "é", "日本", "🙂", "a", "tool"]
+
+
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_encode_equals_the_hugging_face_tokenizer(tmp_path, split_special_tokens) -> None:
+    """The direct backend call encodes exactly as ``tokenizer.encode(add_special_tokens=False)``,
+    special tokens split or not as the tokenizer is configured, and a caller that sets up the
+    shared tokenizer for truncation afterwards does not change it."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from miles_core.session.tokenizer import _private_backend
+
+    directory = _tokenizer_dir(tmp_path, GLM_TEMPLATE, GLM_SPECIALS)
+    hf = AutoTokenizer.from_pretrained(str(directory), split_special_tokens=split_special_tokens)
+    backend = _private_backend(hf)
+    rng = random.Random(0)
+    texts = ["".join(rng.choices(ENCODE_PIECES, k=rng.randint(0, 12))) for _ in range(300)]
+    for text in texts:
+        assert backend.encode(text, add_special_tokens=False).ids == hf.encode(text, add_special_tokens=False), text
+    assert (len(backend.encode("[gMASK]", add_special_tokens=False).ids) == 1) is not split_special_tokens
+    text = "a" * 10
+    full = hf.encode(text, add_special_tokens=False)
+    hf(text, truncation=True, max_length=2)  # leaves the tokenizer's own backend truncating
+    assert len(hf.backend_tokenizer.encode(text, add_special_tokens=False).ids) == 2
+    assert backend.encode(text, add_special_tokens=False).ids == full
+    if not split_special_tokens:  # a family's stop token must be one token: only this setting loads
+        tok = ChatTokenizer(hf, detect_family(GLM_TEMPLATE), source=str(directory))
+        assert all(list(tok.encode(text)) == hf.encode(text, add_special_tokens=False) for text in texts)
+
+
+def test_first_turn_prompts_are_cached_by_exact_content(tokenizer_dir, monkeypatch) -> None:
+    """A cached prompt equals a fresh rendering; tools whose keys come in another order (which
+    ``tojson`` renders differently) and 1 vs 1.0 are different prompts, never a cache hit."""
+    tok, fresh = ChatTokenizer.from_dir(tokenizer_dir), ChatTokenizer.from_dir(tokenizer_dir)
+    renders = []
+    render = tok._render
+    monkeypatch.setattr(tok, "_render", lambda *a, **k: renders.append(a) or render(*a, **k))
+    messages = ({"role": "user", "content": "2+2="},)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"a": 1}}}
+    reordered = {"function": {"parameters": {"a": 1}, "name": "add"}, "type": "function"}
+    as_float = {"type": "function", "function": {"name": "add", "parameters": {"a": 1.0}}}
+    for tools in (None, [tool], [reordered], [as_float]) * 2:
+        got = tok.render_prompt(messages, tools=tools, template_kwargs={})
+        assert got == fresh.render_prompt(messages, tools=tools, template_kwargs={})
+    assert len(renders) == 4  # the second round was served from the cache
+    assert len({fresh.render_prompt(messages, tools=t, template_kwargs={}) for t in ([tool], [reordered], [as_float])}) == 3
+
+
+def test_prompt_cache_is_bounded_and_off_for_clock_reading_templates(tmp_path) -> None:
+    cache = BoundedCache(5, size=len)
+    for key in "abc":
+        cache.get_or_compute(key, lambda: (1, 2))
+    assert list(cache._entries) == ["b", "c"] and cache._total == 4
+    assert cache.get_or_compute("huge", lambda: tuple(range(9))) == tuple(range(9)) and cache._total <= 5
+    template = "{% set year = strftime_now('%Y') %}" + GLM_TEMPLATE
+    clock = ChatTokenizer.from_dir(_tokenizer_dir(tmp_path, template, GLM_SPECIALS))
+    assert clock._prompt_cache is None
