@@ -97,6 +97,17 @@ def build_rollout(config: TrainConfig, task: Task, engine: Any, tokenizer: Any, 
     return agentic, f"session_{config.rollout.session_version}"
 
 
+def freeze_startup_heap() -> None:
+    """Move everything built so far (torch, transformers, the models: ~500k objects) out of the
+    cyclic garbage collector's reach. Otherwise every full collection rescans all of it while
+    holding the GIL -- a 260-315 ms stall of the rollout roughly every third step on the tiny
+    preset. These objects live for the whole run anyway."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def build_inprocess(config: TrainConfig, pm: Any) -> Runtime:
     """Trainer first (it refuses unsafe models before anything else starts), then the engine."""
     import torch
@@ -135,4 +146,5 @@ def build_inprocess(config: TrainConfig, pm: Any) -> Runtime:
             close()
         raise
     evaluator = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
+    freeze_startup_heap()
     return Runtime(config, task, tokenizer, engine, trainer, rollout, evaluator, rewards, aio, via, closers)

@@ -79,11 +79,12 @@ class EngineWorker:
         from miles_core.session.embed import run_app_in_thread, serve_in_thread
 
         self._stack = ExitStack()
-        engine_url = self._stack.enter_context(run_app_in_thread(create_app(self.engine)))
+        engine_app = create_app(self.engine)
+        engine_url = self._stack.enter_context(run_app_in_thread(engine_app))
         url = self._stack.enter_context(serve_in_thread(
             SessionServerConfig(upstream_url=engine_url, tokenizer_dir=self.model_dir,
                                 version=self.config.rollout.session_version),
-            host="0.0.0.0", pm=get_plugin_manager(),
+            host="0.0.0.0", pm=get_plugin_manager(), upstream_app=engine_app,
         ))
         import ray
 

@@ -60,11 +60,14 @@ class AgenticRollout:
         try:
             # served with the session server's long keep-alive: between steps the engine's
             # connections sit idle while the trainer works, longer than uvicorn's default 5 s
-            engine_url = stack.enter_context(run_app_in_thread(create_app(engine)))
+            engine_app = create_app(engine)
+            engine_url = stack.enter_context(run_app_in_thread(engine_app))
             session_config = SessionServerConfig(
                 upstream_url=engine_url, tokenizer_dir=str(tokenizer_dir), version=config.rollout.session_version,
             )
-            url = stack.enter_context(serve_in_thread(session_config, pm=pm))
+            # the session server calls the engine's app in-process (same requests, errors and
+            # timeouts as over loopback HTTP, one hop less); engine_url still names it in errors
+            url = stack.enter_context(serve_in_thread(session_config, pm=pm, upstream_app=engine_app))
             sandbox = tool_sandbox(config, pm, aio, tools)
             if sandbox is not None:
                 stack.callback(sandbox.close)
