@@ -36,9 +36,11 @@ GENERATIONS = 8
 TRL_LR = 1e-3
 TRL_COMPLETIONS_PER_STEP = 32
 MILES_SETTINGS = {
-    "rollout": {"path": "direct", "prompts_per_step": 16, "samples_per_prompt": 16,
+    # every prompt every step (a 55-entry table learns in far fewer steps from full batches), and a
+    # k3 KL to the starting policy instead of an entropy bonus against collapse
+    "rollout": {"path": "direct", "prompts_per_step": 55, "samples_per_prompt": 8,
                 "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0},
-    "algorithm": {"lr": 2e-3, "entropy_coef": 0.02},
+    "algorithm": {"lr": 3e-3, "kl_coef": 0.3},
     "task": {"name": "arith-add", "reward": "miles_core.rl.builtin:first_token_reward"},
     "trainer": {"device": "cpu", "max_tokens_per_row": 512},
     "run": {"eval_every": 1, "stop_at_accuracy": TARGET, "progress": False, "plot": False},

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from miles_core.cli._output import console, emit_json, styled
+from miles_core.cli._output import console, emit_json, quiet_libraries, styled
 from miles_core.doctor import run_doctor
 from miles_core.plugins import get_plugin_manager
 
@@ -19,6 +19,7 @@ def doctor(as_json: bool) -> None:
     Exits 0 only if every required check passed; 1 otherwise (a broken plugin, a backend or patch
     that fails verification, ...).
     """
+    quiet_libraries()
     report = run_doctor(get_plugin_manager())
     if as_json:
         emit_json(report.to_dict())

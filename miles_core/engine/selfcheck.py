@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 TOLERANCE = 1e-5
@@ -24,14 +25,17 @@ def check_embedded(model_path: str | None = None) -> dict[str, Any]:
     requests = [
         GenerationRequest([72, 105, 33, 10] * (i + 1), SamplingParams(max_tokens=8, seed=i, ignore_eos=True)) for i in range(2)
     ]
-    with Engine.from_pretrained(path, EngineConfig(max_batch_size=2, dtype="float32", device="cpu")) as engine:
+    # with fla importable, transformers sends Gated DeltaNet forwards to its Triton kernels, which
+    # only run on the GPU
+    device = "cuda" if torch.cuda.is_available() and importlib.util.find_spec("fla") is not None else "cpu"
+    with Engine.from_pretrained(path, EngineConfig(max_batch_size=2, dtype="float32", device=device)) as engine:
         completions = engine.generate(requests)
         worst = 0.0
         for request, completion in zip(requests, completions):
-            ids = torch.tensor([[*request.input_ids, *completion.token_ids]])
+            ids = torch.tensor([[*request.input_ids, *completion.token_ids]], device=device)
             with torch.inference_mode():
                 logprobs = engine.model(ids).logits[0, len(request.input_ids) - 1 : -1].float().log_softmax(-1)
-            reference = logprobs.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+            reference = logprobs.gather(-1, torch.tensor(completion.token_ids, device=device)[:, None]).squeeze(-1).cpu()
             worst = max(worst, float((reference - torch.tensor(completion.logprobs)).abs().max()))
     if worst > TOLERANCE:
         raise AssertionError(f"engine log-probs differ from a teacher-forced forward by {worst:.2e} (> {TOLERANCE:g})")

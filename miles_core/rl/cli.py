@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from miles_core.cli._output import quiet_libraries
+
 _FLAG_SETTINGS = {
     "steps": "run.steps",
     "seed": "run.seed",
@@ -66,7 +68,7 @@ def train(
     """
     from miles_core.rl.config import load_config
 
-    _quiet_libraries()
+    quiet_libraries()
 
     layered: list[str | dict[str, Any]] = []
     for flag, value in flags.items():
@@ -104,13 +106,3 @@ def train(
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
 
-
-def _quiet_libraries() -> None:
-    """Keep the terminal for the run's own progress: transformers' load/save progress bars and its
-    once-per-process advisories (e.g. "falling back to the reference PyTorch implementation" on
-    CPU) are off unless the user set these variables. Set before transformers is imported; Ray
-    workers inherit them."""
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
