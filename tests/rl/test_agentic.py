@@ -21,10 +21,6 @@ print("found " + args["query"].upper(), end="")
 def agentic(tmp_path):
     from contextlib import ExitStack
 
-    from miles_core.session.config import SessionServerConfig
-    from miles_core.session.embed import serve_in_thread
-    from miles_core.session.tokenizer import ChatTokenizer
-    from miles_core.testing.engine_stub import ScriptedChat, StubEngine
     from transformers import AutoTokenizer
 
     from miles_core.assets.tiny_tokenizer import tiny_tokenizer_dir
@@ -33,6 +29,10 @@ def agentic(tmp_path):
     from miles_core.rl.config import load_config
     from miles_core.rl.rollout.agentic import AgenticRollout, tool_sandbox
     from miles_core.rl.tasks import SandboxTool
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import serve_in_thread
+    from miles_core.session.tokenizer import ChatTokenizer
+    from miles_core.testing.engine_stub import ScriptedChat, StubEngine
 
     directory = tiny_tokenizer_dir()
     config = load_config("tiny", overrides=["rollout.max_turns=3", "rollout.max_new_tokens=64"])
