@@ -8,6 +8,8 @@ multi-GB CUDA build.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -45,8 +47,33 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(*ALL_LOCAL)
     session.run("miles", "ci", "workflows", "--check")
-    for suite in ("stage-a-cpu", "stage-b-cpu"):
-        session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite, *session.posargs)
+    if session.posargs:
+        for suite in ("stage-a-cpu", "stage-b-cpu"):
+            session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite, *session.posargs)
+        return
+    # CI's machine has 2 cores and the tests run one torch thread each: the two stage-a shards run
+    # side by side (as on two runners), then stage-b.
+    _run_side_by_side(session, [["miles", "ci", "run", "--hw", "cpu", "--suite", "stage-a-cpu", "--partition", f"{i}/2"]
+                                for i in range(2)])
+    session.run("miles", "ci", "run", "--hw", "cpu", "--suite", "stage-b-cpu")
+
+
+def _run_side_by_side(session: nox.Session, commands: list[list[str]]) -> None:
+    """Run ``commands`` at once in the session's venv; print each one's output when all are done."""
+    env = {**os.environ, "PATH": f"{session.bin}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": session.virtualenv.location}
+    with tempfile.TemporaryDirectory(prefix="miles-nox-") as tmp:
+        logs = [Path(tmp) / f"{i}.log" for i in range(len(commands))]
+        procs = []
+        for command, log in zip(commands, logs):
+            session.log(" ".join(command) + f"  (output: after all {len(commands)} finish)")
+            with log.open("wb") as out:
+                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+        codes = [proc.wait() for proc in procs]
+        for command, log, code in zip(commands, logs, codes):
+            print(f"----- {' '.join(command)}: exit {code} -----\n{log.read_text(errors='replace')}", flush=True)
+    failed = [" ".join(c) for c, code in zip(commands, codes) if code]
+    if failed:
+        session.error(f"failed: {'; '.join(failed)}")
 
 
 @nox.session
