@@ -23,7 +23,7 @@ from typing import Any
 
 from miles_core.errors import ConfigError
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the tiny-rl warm-up runs on one thread
 MARKER = "miles_preset.json"
 
 
@@ -60,14 +60,19 @@ class ReplyFormatWarmup:
         inputs = torch.tensor(prompts)
         digit_ids = torch.tensor([d[0] for d in digits])
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
-        model.train()
-        for _ in range(self.steps):
-            logp = model(inputs, use_cache=False).logits[:, -1].float().log_softmax(-1)
-            loss = -logp[:, digit_ids].mean()  # cross-entropy to uniform-over-digits
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        model.eval()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the same reduction order, so the same weights, on any machine
+        try:
+            model.train()
+            for _ in range(self.steps):
+                logp = model(inputs, use_cache=False).logits[:, -1].float().log_softmax(-1)
+                loss = -logp[:, digit_ids].mean()  # cross-entropy to uniform-over-digits
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            model.eval()
+        finally:
+            torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

@@ -83,3 +83,17 @@ def test_tiny_rl_answers_with_a_digit_but_not_a_particular_one(tiny_dir) -> None
     assert float(warmed.sum(-1).min()) > 0.9
     assert float(control.sum(-1).max()) < 0.2
     assert float(warmed.max()) < 0.2  # no digit above 2x its uniform share: no answer was taught
+
+
+def test_tiny_rl_builds_identically_whatever_the_thread_count(tmp_path) -> None:
+    from miles_core.engine.presets import TINY_RL
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = TINY_RL.build(tmp_path / "a")
+        torch.set_num_threads(1)
+        second = TINY_RL.build(tmp_path / "b")
+    finally:
+        torch.set_num_threads(threads)
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
