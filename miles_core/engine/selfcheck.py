@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 TOLERANCE = 1e-5
@@ -20,14 +19,13 @@ def check_embedded(model_path: str | None = None) -> dict[str, Any]:
     from miles_core.engine.base import GenerationRequest, SamplingParams
     from miles_core.engine.engine import Engine, EngineConfig
     from miles_core.engine.presets import preset_dir
+    from miles_core.hardware.gdn import gdn_model_device
 
     path = model_path or preset_dir("tiny")
     requests = [
         GenerationRequest([72, 105, 33, 10] * (i + 1), SamplingParams(max_tokens=8, seed=i, ignore_eos=True)) for i in range(2)
     ]
-    # with fla importable, transformers sends Gated DeltaNet forwards to its Triton kernels, which
-    # only run on the GPU
-    device = "cuda" if torch.cuda.is_available() and importlib.util.find_spec("fla") is not None else "cpu"
+    device = gdn_model_device()
     with Engine.from_pretrained(path, EngineConfig(max_batch_size=2, dtype="float32", device=device)) as engine:
         completions = engine.generate(requests)
         worst = 0.0

@@ -48,18 +48,14 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
 
 
 def tiny_model(arch: str, *, seed: int = 0, **overrides: Any) -> Any:
-    """A float32 ``AutoModelForCausalLM`` of ``arch`` with random weights from ``seed``.
-
-    On the GPU when fla is importable and CUDA is available: transformers then routes every Gated
-    DeltaNet forward to fla's Triton kernels, which cannot run on CPU tensors (seen on the H200:
-    "Pointer argument cannot be accessed from Triton"), and the GPU is where they will run anyway.
-    """
+    """A float32 ``AutoModelForCausalLM`` of ``arch`` with random weights from ``seed``, on
+    :func:`~miles_core.hardware.gdn.gdn_model_device` (the GPU when fla is installed)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles_qwen35.fla_varlen import fla_available
+    from miles_core.hardware.gdn import gdn_model_device
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).float()
-    return model.to("cuda") if torch.cuda.is_available() and fla_available() else model
+    return model.to(gdn_model_device())
