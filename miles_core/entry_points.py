@@ -16,6 +16,8 @@ import sys
 import zlib
 from dataclasses import asdict, dataclass
 
+from miles_core.fileio import write_bytes_atomic
+
 CACHE_VERSION = 1
 ENV_NO_CACHE = "MILES_NO_ENTRY_POINT_CACHE"
 
@@ -77,10 +79,7 @@ def entry_points(group: str) -> list[EntryPointInfo]:
     payload = {"version": CACHE_VERSION, "stamp": stamp, "entry_points": [asdict(e) for e in found]}
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = f"{cache}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(payload, f)
-        os.replace(tmp, cache)
+        write_bytes_atomic(cache, json.dumps(payload).encode())
     except OSError:
         pass  # a read-only home only costs the next run a rescan
     return found
