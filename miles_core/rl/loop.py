@@ -159,6 +159,13 @@ def train(
         runtime.close()
 
 
+def _checkpoint(config: TrainConfig, runtime: Any, sampler: PromptSampler, step: int, version: str) -> int:
+    """Save the state after ``step``; returns ``step``."""
+    state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
+    save_checkpoint(Path(config.run.out_dir), runtime.trainer, state, config.run.keep_checkpoints)
+    return step
+
+
 def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
     checkpoints = list_checkpoints(out_dir)
     if not checkpoints:
@@ -236,17 +243,12 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
             }
             metrics.append(record)
             progress.update(record)
-            out_of_time = run_cfg.time_limit_s is not None and time.perf_counter() - loop_started > run_cfg.time_limit_s
-            last = step == run_cfg.steps - 1 or out_of_time
-            if (run_cfg.checkpoint_every and (step + 1) % run_cfg.checkpoint_every == 0) or last:
-                state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
-                save_checkpoint(Path(run_cfg.out_dir), runtime.trainer, state, run_cfg.keep_checkpoints)
-                saved_step = step
-            if out_of_time:
+            if run_cfg.checkpoint_every and (step + 1) % run_cfg.checkpoint_every == 0:
+                saved_step = _checkpoint(config, runtime, sampler, step, version)
+            if run_cfg.time_limit_s is not None and time.perf_counter() - loop_started > run_cfg.time_limit_s:
                 break
-        if step > saved_step:  # stopped early: keep the policy that reached the target
-            state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
-            save_checkpoint(Path(run_cfg.out_dir), runtime.trainer, state, run_cfg.keep_checkpoints)
+        if step > saved_step:  # the last step, the time limit or an early stop: keep the final policy
+            _checkpoint(config, runtime, sampler, step, version)
         if not stopped_early and task.has_accuracy and run_cfg.eval_every:
             accuracy = evaluate(runtime, prompts)
     finally:
