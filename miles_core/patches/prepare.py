@@ -32,10 +32,12 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
 
     When an applied patch reads the packing context (``uses_packing_context``), also installs the
     model-level packing scope (:mod:`miles_core.patches.scope`) so packed rows reach every patched
-    layer. Idempotent: preparing a model twice re-verifies it. Records each
+    layer, and switches ``sdpa`` attention to per-document packed attention
+    (:mod:`miles_core.patches.attention`). Idempotent: preparing a model twice re-verifies it. Records each
     applied patch in the plugin fingerprint. ``probe=False`` skips the numeric probes (for models
     whose modules cannot run on their own, e.g. already sharded).
     """
+    from miles_core.patches.attention import use_packed_attention
     from miles_core.patches.scope import has_packing_scope, install_packing_scope
 
     pm = pm or get_plugin_manager()
@@ -80,13 +82,16 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
         log.info(
             "patch %s applied to %s: %s", contribution.name, qualname(type(model)), ", ".join(applied.classes)
         )
+    packed_attention = False
     if needs_scope:
         install_packing_scope(model)
+        packed_attention = use_packed_attention(model)
     return PrepareReport(
         model=qualname(type(model)),
         patches=tuple(reports),
         not_matched=tuple(not_matched),
         packing_scope=has_packing_scope(model),
+        packed_attention=packed_attention,
     )
 
 

@@ -36,6 +36,8 @@ class PrepareReport:
     patches: tuple[PatchReport, ...]
     not_matched: tuple[str, ...]
     packing_scope: bool
+    #: full-attention layers attend per document in packed forwards (no dense block-diagonal mask)
+    packed_attention: bool = False
 
     @property
     def applied(self) -> dict[str, list[str]]:

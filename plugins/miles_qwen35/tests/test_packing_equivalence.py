@@ -4,6 +4,10 @@ For every GDN architecture this plugin claims in the installed transformers, on 
 model (one GDN layer, one attention layer), float32: with the plugin the max abs difference is
 <= 1e-5; without it the same comparison fails (negative control); and activation checkpointing
 (which replays layers in the backward pass) gives the same gradients.
+
+prepare_model also switches sdpa to per-document packed attention (miles_core.patches.attention):
+a packed forward takes that branch and equals transformers' masked sdpa path on the same weights;
+an unpacked forward is plain sdpa. Spies make both assertions unable to pass vacuously.
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ from miles_qwen35.patch import is_gated_deltanet
 from miles_qwen35.tiny import tiny_model
 
 from miles_core.ci.register import register_cpu_ci
-from miles_core.patches import prepare_model
+from miles_core.patches import attention, prepare_model
 from miles_core.patches.packing import PACKING_KWARG
 
-register_cpu_ci(est_time=22, suite="stage-a-cpu")
+register_cpu_ci(est_time=26, suite="stage-a-cpu")
 
 TOL = 1e-5
 
 
-def packed_run(model: torch.nn.Module, docs: SimpleNamespace) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def packed_run(
+    model: torch.nn.Module, docs: SimpleNamespace
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Per-document logits of the packed row, and the gradients of a loss over the documents."""
     model.zero_grad(set_to_none=True)
     logits = model(docs.ids, position_ids=docs.position_ids, use_cache=False).logits
@@ -33,7 +39,9 @@ def packed_run(model: torch.nn.Module, docs: SimpleNamespace) -> tuple[list[torc
     return [lg.detach() for lg in per_doc], grads(model)
 
 
-def alone_run(model: torch.nn.Module, docs: SimpleNamespace) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def alone_run(
+    model: torch.nn.Module, docs: SimpleNamespace
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Each document on its own; the gradients of the same loss, accumulated over documents."""
     model.zero_grad(set_to_none=True)
     out = []
@@ -98,3 +106,54 @@ def test_the_multimodal_qwen3_5_model_packs_text(qwen_pm, docs) -> None:
     prepare_model(model)
     logit_diff, grad_diff = max_diffs(packed_run(model, docs), alone_run(model, docs))
     assert logit_diff <= TOL and grad_diff <= TOL, (logit_diff, grad_diff)
+
+
+@pytest.fixture
+def per_document_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = attention._per_document
+
+    def spy(q, k, v, ctx, scale, dropout):
+        calls.append(ctx.num_sequences)
+        return original(q, k, v, ctx, scale, dropout)
+
+    monkeypatch.setattr(attention, "_per_document", spy)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_packed_attention_equals_the_masked_sdpa_path(
+    qwen_pm, docs, per_document_calls, checkpointing
+) -> None:
+    model = tiny_model("qwen3_5").train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    report = prepare_model(model)
+    assert report.packed_attention and model.config._attn_implementation == attention.ATTENTION_NAME
+
+    packed = packed_run(model, docs)
+    # A, B, C and three 1-token pad segments; the replay under checkpointing runs it again
+    assert per_document_calls == [6] * (2 if checkpointing else 1)
+
+    model.set_attn_implementation("sdpa")  # same weights, transformers' block-diagonal mask
+    masked = packed_run(model, docs)
+    assert len(per_document_calls) == (2 if checkpointing else 1)
+    logit_diff, grad_diff = max_diffs(packed, masked)
+    assert logit_diff <= TOL and grad_diff <= TOL, (logit_diff, grad_diff)
+
+
+def test_unpacked_forwards_are_plain_sdpa(qwen_pm, docs, per_document_calls) -> None:
+    model = tiny_model("qwen3_5").eval()
+    reference = tiny_model("qwen3_5").eval()  # same weights, never prepared
+    prepare_model(model)
+    batch = docs.ids[:, :40].repeat(2, 1)
+    with torch.no_grad():
+        assert torch.equal(model(batch, use_cache=False).logits, reference(batch, use_cache=False).logits)
+    assert per_document_calls == []
+
+
+def test_models_not_on_sdpa_keep_their_attention(qwen_pm) -> None:
+    model = tiny_model("qwen3_5")
+    model.set_attn_implementation("eager")
+    assert not prepare_model(model).packed_attention
+    assert model.config._attn_implementation == "eager"

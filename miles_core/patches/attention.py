@@ -1,0 +1,212 @@
+"""Packed attention: in a packed forward, full-attention layers attend within each document only.
+
+transformers' ``sdpa`` path turns packed ``position_ids`` into a dense ``[T, T]`` block-diagonal
+mask and runs a masked kernel over all ``T^2`` query/key pairs: no causal skipping, and no skipping
+of the pairs that cross documents. For a row of 8 documents of 64-4096 tokens that is ~8x the
+work of attending per document (and the largest share of a GDN model's backward on an H200).
+
+:func:`use_packed_attention` switches a model from ``sdpa`` to :data:`ATTENTION_NAME`, registered
+with transformers' attention and mask interfaces. Outside a packed forward it *is* ``sdpa`` (the
+same function, the same mask). Inside one (a :class:`~miles_core.patches.packing.PackedSequences`
+is current and describes this layer's ``[B, T]``) the mask is skipped and each document runs causal
+attention alone: one variable-length flash kernel on CUDA in half precision where torch has one
+(``torch.nn.attention.varlen``), otherwise causal ``scaled_dot_product_attention`` per document.
+The document boundaries are the packing context's, which follow transformers' own rule for packed
+masks, so the result equals the masked path up to kernel rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from miles_core.patches.packing import PACKING_KWARG, PackedSequences, current_packed_sequences
+
+log = logging.getLogger(__name__)
+
+#: the attention implementation name registered with transformers
+ATTENTION_NAME = "miles_packed_sdpa"
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, packed_sdpa_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, packed_sdpa_mask)
+
+
+def use_packed_attention(model: Any) -> bool:
+    """Switch ``model``'s text attention from ``sdpa`` to :data:`ATTENTION_NAME`; returns whether it uses it.
+
+    Models on another implementation (eager, flash-attention, a custom kernel) keep it: flash
+    attention already runs packed rows variable-length, and eager is asked for on purpose.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    current = getattr(text, "_attn_implementation", None)
+    if current == ATTENTION_NAME:
+        return True
+    if current != "sdpa":
+        return False
+    _register()
+    if text is config:
+        model.set_attn_implementation(ATTENTION_NAME)
+    else:
+        key = next((k for k in config.sub_configs if getattr(config, k, None) is text), None)
+        if key is None:
+            return False
+        model.set_attn_implementation({key: ATTENTION_NAME})
+    return getattr(text, "_attn_implementation", None) == ATTENTION_NAME
+
+
+def _context_for(batch_size: int, seq_len: int, ctx: PackedSequences | None) -> PackedSequences | None:
+    if ctx is None or (ctx.batch_size, ctx.seq_len) != (batch_size, seq_len):
+        return None
+    return ctx
+
+
+def packed_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' sdpa mask, or none in a packed forward (the attention splits documents itself)."""
+    from transformers.masking_utils import sdpa_mask
+
+    batch_size = kwargs.get("batch_size", args[0] if args else None)
+    kv_length = kwargs.get("kv_length", args[2] if len(args) > 2 else None)
+    if (
+        batch_size is not None
+        and kv_length is not None
+        and _context_for(batch_size, kv_length, current_packed_sequences()) is not None
+    ):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` ``[B, Hq, T, D]``, ``key``/``value`` ``[B, Hkv, T, D]`` -> ``([B, T, Hq, D], None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch_size, heads, seq_len, head_dim = query.shape
+    # From the keyword arguments, not the context variable: an activation-checkpoint replay runs
+    # after the forward's scope closed, with the keyword arguments it captured.
+    ctx = _context_for(batch_size, seq_len, kwargs.get(PACKING_KWARG))
+    if ctx is None or key.shape[2] != seq_len or not getattr(module, "is_causal", True):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = head_dim**-0.5 if scaling is None else scaling
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B * T, H, D]
+        return t.transpose(1, 2).reshape(batch_size * seq_len, t.shape[1], head_dim)
+
+    q, k, v = tokens(query), tokens(key), tokens(value)
+    varlen = _varlen_kernel(q) if dropout == 0.0 else None
+    if varlen is not None:
+        out = varlen(q, k, v, ctx, scale)
+    else:
+        out = _per_document(q, k, v, ctx, scale, dropout if module.training else 0.0)
+    return out.view(batch_size, seq_len, heads, head_dim), None
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[N, Hkv, D]`` -> ``[N, heads, D]`` (each key/value head serves a group of query heads)."""
+    groups = heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _per_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedSequences, scale: float, dropout: float
+) -> torch.Tensor:
+    heads = q.shape[1]
+    k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
+    bounds = ctx.cu_seqlens_cpu.tolist()
+    outs = []
+    for start, end in itertools.pairwise(bounds):
+        # [n, H, D] -> [1, H, n, D]
+        qd, kd, vd = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedSequences, float], torch.Tensor]
+
+
+def _varlen_kernel(q: torch.Tensor) -> VarlenKernel | None:
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return _cuda_varlen()
+
+
+@functools.cache
+def _cuda_varlen() -> VarlenKernel | None:
+    """torch's variable-length flash kernel, adapted to the signature of this torch, if it runs here."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal: dict[str, Any] = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        log.info(
+            "torch.nn.attention.varlen_attn has no causal switch here; packed attention runs per document"
+        )
+        return None
+    if "scale" not in params:
+        log.info("torch.nn.attention.varlen_attn takes no scale here; packed attention runs per document")
+        return None
+    gqa = "enable_gqa" in params
+
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedSequences, scale: float
+    ) -> torch.Tensor:
+        if gqa:
+            extra = {"enable_gqa": True}
+        else:
+            k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+            extra = {}
+        return varlen_attn(
+            q,
+            k,
+            v,
+            ctx.cu_seqlens,
+            ctx.cu_seqlens,
+            ctx.max_seqlen,
+            ctx.max_seqlen,
+            scale=scale,
+            **causal,
+            **extra,
+        )
+
+    # One tiny call decides whether this build has the kernel (CPU-only or flash-less builds do not).
+    probe = torch.randn(4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    try:
+        run(probe, probe[:, :1], probe[:, :1], PackedSequences.from_lengths([1, 3], device="cuda"), 0.125)
+    except RuntimeError as exc:
+        log.warning(
+            "torch's varlen flash attention does not run here (%s); packed attention runs per document", exc
+        )
+        return None
+    return run
