@@ -30,7 +30,9 @@ class ModelSection(_Section):
     """Which model is trained (and served to the engine). Exactly one of ``preset``/``path``."""
 
     preset: str | None = Field(None, description="engine model preset built by code (tiny, small-gpu)")
-    path: str | None = Field(None, description="local Hugging Face model directory (config, safetensors, tokenizer)")
+    path: str | None = Field(
+        None, description="local Hugging Face model directory (config, safetensors, tokenizer)"
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training and serving dtype")
 
     @model_validator(mode="after")
@@ -94,11 +96,23 @@ class AlgorithmSection(_Section):
 class TrainerSection(_Section):
     """The trainer backend."""
 
-    backend: Literal["hf", "megatron"] = Field("hf", description="hf: transformers + torch; megatron: megatron-core")
+    backend: Literal["hf", "megatron"] = Field(
+        "hf", description="hf: transformers + torch; megatron: megatron-core"
+    )
     device: str = Field("auto", description="auto (the selected hardware backend's device), cpu or cuda[:N]")
     max_tokens_per_row: int = Field(4096, ge=8, description="token budget of one packed training row")
     packing: bool = Field(True, description="pack documents into rows with position_ids restarting at 0")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="hf: data-parallel ranks; > 1 shards the model with FSDP2 over that many processes "
+        "(one GPU each on CUDA, gloo on CPU)",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the norms and MLPs (hf only; fuses their elementwise work, first steps compile)",
+    )
     mtp_num_layers: int = Field(0, ge=0, le=3, description="multi-token-prediction depths (megatron only)")
     mtp_loss_coef: float = Field(0.1, ge=0, description="weight of the MTP loss (megatron only)")
 
@@ -159,6 +173,10 @@ class TrainConfig(_Section):
             )
         if self.run.stop_at_accuracy is not None and self.run.eval_every == 0:
             raise ValueError("run.stop_at_accuracy needs run.eval_every > 0")
+        if self.trainer.backend != "hf" and self.trainer.world_size > 1:
+            raise ValueError("trainer.world_size > 1 needs trainer.backend = 'hf' (FSDP2)")
+        if self.trainer.backend != "hf" and self.trainer.compile:
+            raise ValueError("trainer.compile needs trainer.backend = 'hf'")
         if self.trainer.backend != "megatron" and self.trainer.mtp_num_layers:
             raise ValueError("trainer.mtp_num_layers needs trainer.backend = 'megatron'")
         if self.orchestrator.address is not None and self.orchestrator.kind != "ray":
@@ -184,7 +202,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "algorithm": {"lr": 3e-3, "kl_coef": 0.3},
         "trainer": {"backend": "hf", "device": "auto", "max_tokens_per_row": 1024},
-        "run": {"steps": 60, "eval_every": 2, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
+        "run": {
+            "steps": 60,
+            "eval_every": 2,
+            "stop_at_accuracy": 0.9,
+            "time_limit_s": 150,
+            "out_dir": "runs/tiny",
+        },
     },
     # One GPU: the ~0.5B Qwen3.5-architecture preset in bf16, in-process.
     "small-gpu": {

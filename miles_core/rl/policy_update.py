@@ -8,7 +8,7 @@ normalisation, gradient clipping and the statistics every run reports.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,67 @@ class UpdateSettings:
     packing: bool
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the data-parallel ranks of a sharded trainer (FSDP2).
+
+    Every rank gets the step's *whole* document list and computes the same deterministic split,
+    so the ranks agree on the token count that normalises the loss and on the number of rows each
+    runs without exchanging anything but the final statistics.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def shard_documents(docs: Sequence[TrainDocument], world_size: int) -> list[list[TrainDocument]]:
+    """Documents to ranks, longest first onto the least-loaded rank (deterministic, token-balanced)."""
+    order = sorted(range(len(docs)), key=lambda i: (-len(docs[i].token_ids), i))
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for i in order:
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[rank].append(i)
+        loads[rank] += len(docs[i].token_ids)
+    return [[docs[i] for i in sorted(members)] for members in shards]
+
+
+def _rows_for_rank(
+    minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None
+) -> tuple[list[PackedRow], float, int]:
+    """This rank's rows, the minibatch's trained-token count over all ranks, and how many rows are real.
+
+    With data parallelism every rank runs as many rows as the busiest one (FSDP's forward and
+    backward are collectives); the extra rows are copies of a real row with the loss mask zeroed.
+    """
+    if dp is None:
+        rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing)
+        return rows, sum(float(r.loss_mask.sum()) for r in rows), len(rows)
+    per_rank = [
+        pack_documents(shard, settings.max_tokens_per_row, packing=settings.packing) if shard else []
+        for shard in shard_documents(minibatch, dp.world_size)
+    ]
+    n_tokens = sum(float(r.loss_mask.sum()) for rows in per_rank for r in rows)
+    rows = per_rank[dp.rank]
+    real = len(rows)
+    filler = next(r for rows_ in per_rank for r in rows_)
+    filler = replace(filler, loss_mask=torch.zeros_like(filler.loss_mask))
+    return rows + [filler] * (max(len(r) for r in per_rank) - real), n_tokens, real
+
+
 def split_minibatches(docs: Sequence[TrainDocument], n: int) -> list[list[TrainDocument]]:
     """``n`` contiguous, nearly equal slices (order kept: groups stay together when they fit)."""
     size, extra = divmod(len(docs), n)
@@ -54,6 +115,7 @@ def policy_update(
     *,
     reference: Forward | None = None,
     extra_loss: Callable[[PackedRow], torch.Tensor] | None = None,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
     """Epochs x minibatches optimizer steps; returns the step's training statistics.
 
@@ -61,6 +123,11 @@ def policy_update(
     minibatch of the first epoch, before any weight moved: the same weights on both sides, so it
     measures only numerics (packing leaks, dtype, kernel differences).
     ``extra_loss(row)`` adds a backend's auxiliary loss (MTP), already scaled.
+
+    With ``dp`` (an FSDP2-sharded model on every rank), each rank trains its share of every
+    minibatch; the loss is normalised by the minibatch's tokens over all ranks and scaled by the
+    world size (FSDP averages gradients over ranks), so the gradients and statistics equal a
+    single process's on the whole minibatch.
     """
     algo = settings.algorithm
     params = [p for p in params if p.requires_grad]
@@ -70,12 +137,12 @@ def policy_update(
     updates = 0
     for epoch in range(algo.epochs):
         for mb_index, minibatch in enumerate(split_minibatches(docs, algo.minibatches)):
-            rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing)
-            n_tokens = sum(float(r.loss_mask.sum()) for r in rows)
+            rows, n_tokens, real_rows = _rows_for_rank(minibatch, settings, dp)
             if n_tokens == 0:
                 continue
+            scale = (dp.world_size if dp else 1) / n_tokens
             optimizer.zero_grad(set_to_none=True)
-            for row in rows:
+            for row_index, row in enumerate(rows):
                 logits = forward(row)
                 device = logits.device
                 targets = row.targets.to(device)
@@ -96,7 +163,7 @@ def policy_update(
                     kl_ref = kl_k3(logprobs, ref_lp) * mask
                     loss = loss + algo.kl_coef * kl_ref.sum()
                     _add(sums, "kl_ref", float(kl_ref.detach().sum()))
-                loss = loss / n_tokens
+                loss = loss * scale
                 if extra_loss is not None:
                     loss = loss + extra_loss(row) / len(rows)
                 loss.backward()
@@ -106,16 +173,25 @@ def policy_update(
                         mismatch_max = max(mismatch_max, float(diff.max()))
                         mismatch_sum += float(diff.sum())
                         mismatch_n += int(mask.sum())
-                    _add(sums, "loss", float(loss.detach()) * n_tokens)
+                    _add(sums, "loss", float(loss.detach()) / scale)
                     _add(sums, "entropy", float((entropy.detach() * mask).sum()))
                     _add(sums, "approx_kl", float((kl_k3(logprobs.detach(), rollout_lp) * mask).sum()))
                     _add(sums, "clip_fraction", float(stats["clipped"].sum()))
                     _add(sums, "trained_tokens", float(mask.sum()))
-                    _add(sums, "row_tokens", float(row.num_tokens))
+                    if row_index < real_rows:
+                        _add(sums, "row_tokens", float(row.num_tokens))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
             grad_norms.append(float(grad_norm))
             optimizer.step()
             updates += 1
+    if dp is not None:
+        keys = ["loss", "entropy", "approx_kl", "clip_fraction", "trained_tokens", "row_tokens", "kl_ref"]
+        totals = dp.all_reduce([sums.get(k, 0.0) for k in keys] + [mismatch_sum, float(mismatch_n)])
+        sums = dict(zip(keys, totals[: len(keys)]))
+        mismatch_sum, mismatch_n = totals[-2], int(totals[-1])
+        mismatch_max = dp.all_reduce([mismatch_max], op="max")[0]
     trained = max(sums.get("trained_tokens", 0.0), 1.0)
     out = {
         "loss": sums.get("loss", 0.0) / trained,

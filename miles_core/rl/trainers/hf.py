@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,20 @@ import torch
 
 from miles_core.rl.algorithms import PackedRow, TrainDocument
 from miles_core.rl.config import TrainConfig
-from miles_core.rl.policy_update import UpdateSettings, policy_update
+from miles_core.rl.policy_update import DataParallel, UpdateSettings, policy_update
+from miles_core.rl.trainers.compile import compile_regions
+from miles_core.rl.trainers.fsdp import RankGroup, init_rank, rank_device, shard_model
 from miles_core.rl.trainers.packing_guard import check_packing_safe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "miles_asset.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "miles_asset.json",
+)
 
 
 def load_causal_lm(model_dir: Path, dtype: str, device: torch.device) -> Any:
@@ -32,13 +40,20 @@ def load_causal_lm(model_dir: Path, dtype: str, device: torch.device) -> Any:
     return model.to(device)
 
 
-class HFTrainer:
-    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+class HFPolicy:
+    """One process's part of the hf trainer: the model, its optimizer and the KL reference.
+
+    With ``dp`` (``trainer.world_size > 1``) the model is sharded with FSDP2 across the ranks and
+    every method is a collective that all ranks call in the same order (:mod:`.fsdp`); the KL
+    reference stays a whole copy on each rank (forward only, no collectives).
+    """
+
+    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device, dp: DataParallel | None = None) -> None:
         from miles_core.patches import prepare_model
 
         self.model_dir = Path(model_dir)
-        self.config = config
         self.device = device
+        self.dp = dp
         self.model = load_causal_lm(self.model_dir, config.model.dtype, device)
         patch_report = prepare_model(self.model)
         applied = getattr(patch_report, "applied", None)
@@ -47,17 +62,30 @@ class HFTrainer:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         algo = config.algorithm
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
         self.reference = None
         if algo.kl_coef:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        sharded = shard_model(self.model, device) if dp else []
+        compiled = []
+        if config.trainer.compile:
+            compiled = compile_regions(self.model)
+            if self.reference is not None:
+                compile_regions(self.reference)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
         self.settings = UpdateSettings(
             algorithm=algo,
             temperature=config.rollout.temperature,
             max_tokens_per_row=config.trainer.max_tokens_per_row,
             packing=config.trainer.packing,
         )
-        self.report = {"backend": "hf", "patches": _describe_report(patch_report), "packing_leak": leak}
+        self.report = {
+            "backend": "hf",
+            "patches": _describe_report(patch_report),
+            "packing_leak": leak,
+            "compiled": compiled,
+            "world_size": dp.world_size if dp else 1,
+            "fsdp_sharded": sharded,
+        }
 
     def _forward(self, row: PackedRow, model: Any | None = None) -> torch.Tensor:
         model = model or self.model
@@ -71,19 +99,37 @@ class HFTrainer:
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
         reference = (lambda row: self._forward(row, self.reference)) if self.reference is not None else None
         return policy_update(
-            docs, self._forward, self.optimizer, self.model.parameters(), self.settings, reference=reference
+            docs, self._forward, self.optimizer, self.model.parameters(), self.settings, reference=reference, dp=self.dp
         )
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (under FSDP: gathered to rank 0, in CPU memory; empty elsewhere)."""
+        if self.dp is None:
+            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save(self, directory: Path) -> None:
+        state = self.full_state()
+        optimizer_state = self._optimizer_state()
+        if self.dp is not None and self.dp.rank != 0:
+            return
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory / "model", safe_serialization=True)
+        self.model.save_pretrained(directory / "model", state_dict=state, safe_serialization=True)
         for name in TOKENIZER_FILES:
             if (self.model_dir / name).exists():
                 shutil.copy2(self.model_dir / name, directory / "model" / name)
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        torch.save(optimizer_state, directory / "optimizer.pt")
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self.dp is None:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load(self, directory: Path) -> None:
         from safetensors.torch import load_file
@@ -91,11 +137,78 @@ class HFTrainer:
         state: dict[str, torch.Tensor] = {}
         for shard in sorted((directory / "model").glob("*.safetensors")):
             state.update(load_file(shard))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-        if unexpected or set(missing) - tied:
-            raise RuntimeError(f"checkpoint {directory}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        expected = set(self.model.state_dict())
+        missing, unexpected = expected - set(state) - tied, set(state) - expected
+        if unexpected or missing:
+            raise RuntimeError(f"checkpoint {directory}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
+        if self.dp is None:
+            self.model.load_state_dict(state, strict=False)
+            self.optimizer.load_state_dict(optimizer_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, state, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+
+
+class HFTrainer:
+    """The ``hf`` backend: one :class:`HFPolicy` here, plus ranks 1..N-1 when ``trainer.world_size > 1``."""
+
+    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+        world_size = config.trainer.world_size
+        self.group: RankGroup | None = None
+        dp = None
+        if world_size > 1:
+            self.group = RankGroup(world_size, model_dir, config, device)
+            try:
+                self.group.replies()  # every rank checked the plugin fingerprint and has its device
+                device = rank_device(device, 0)
+                init_rank(0, world_size, self.group.port, device)
+                dp = DataParallel(0, world_size)
+                self.policy = HFPolicy(model_dir, config, device, dp)
+                self.group.replies()  # every rank built its shard
+            except BaseException:
+                self.close()
+                raise
+        else:
+            self.policy = HFPolicy(model_dir, config, device)
+        self.report = self.policy.report
+
+    @property
+    def model(self) -> Any:
+        return self.policy.model
+
+    def _everywhere(self, command: str, here: Callable[[], Any], *args: Any) -> Any:
+        return here() if self.group is None else self.group.run(command, here, *args)
+
+    def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
+        return self._everywhere("train", lambda: self.policy.train(docs), docs)
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        return self._everywhere("state", self.policy.full_state)
+
+    def save(self, directory: Path) -> None:
+        self._everywhere("save", lambda: self.policy.save(directory), directory)
+
+    def load(self, directory: Path) -> None:
+        self._everywhere("load", lambda: self.policy.load(directory), directory)
+
+    def close(self) -> None:
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        self.group.close()
+        self.group = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _describe_report(report: Any) -> Any:

@@ -1,0 +1,196 @@
+"""Data-parallel ranks for the ``hf`` trainer: FSDP2 over ``trainer.world_size`` processes.
+
+The run's process is rank 0; :class:`RankGroup` spawns ranks 1..N-1, each a process that builds
+the same :class:`~miles_core.rl.trainers.hf.HFPolicy` (the model sharded with FSDP2's
+``fully_shard``, one GPU per rank on CUDA through NCCL, or gloo on CPU) and then executes the
+commands rank 0 sends it, in the same order, since each one is a collective: ``train`` (the step's
+whole document list; every rank trains its share, see
+:class:`~miles_core.rl.policy_update.DataParallel`), ``state`` (gather the full weights to rank 0
+for the engine), ``save`` and ``load``, ``stop``. A rank that fails replies with its traceback, which
+rank 0 raises naming the rank. Every rank checks rank 0's plugin fingerprint before building.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_core.rl.config import TrainConfig
+
+#: how long a collective waits for a rank that stopped answering before it fails
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``r`` trains on ``cuda:r`` (rank 0 on the configured device); CPU ranks share the CPU."""
+    if device.type != "cuda":
+        return device
+    if rank >= torch.cuda.device_count():
+        from miles_core.errors import ConfigError
+
+        raise ConfigError(
+            f"trainer.world_size needs one GPU per rank; rank {rank} has none ({torch.cuda.device_count()} visible)"
+        )
+    return torch.device("cuda", rank)
+
+
+def init_rank(rank: int, world_size: int, port: int, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """``fully_shard`` every block transformers keeps whole (``_no_split_modules``), then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    sharded = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in blocks})
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return sharded
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankGroup:
+    """Ranks 1..N-1 of a data-parallel trainer, driven from rank 0 (this process)."""
+
+    def __init__(self, world_size: int, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+        from miles_core.plugins import get_plugin_manager
+
+        context = torch.multiprocessing.get_context("spawn")
+        self.port = free_port()
+        fingerprint = get_plugin_manager().fingerprint()
+        self.pipes: list[Connection] = []
+        self.processes = []
+        for rank in range(1, world_size):
+            here, there = context.Pipe()
+            process = context.Process(
+                target=_rank_main,
+                args=(rank, world_size, self.port, Path(model_dir), config, device, fingerprint, there),
+                name=f"miles-trainer-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            there.close()
+            self.pipes.append(here)
+            self.processes.append(process)
+
+    def send(self, command: str, *args: Any) -> None:
+        for pipe in self.pipes:
+            pipe.send((command, args))
+
+    def replies(self) -> list[Any]:
+        """Each rank's reply to the last command; a failed rank's traceback is raised here."""
+        out = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                status, value = pipe.recv()
+            except EOFError:
+                raise RuntimeError(f"trainer rank {rank} exited (exit code {self.processes[rank - 1].exitcode})") from None
+            if status == "error":
+                raise RuntimeError(f"trainer rank {rank} failed:\n{value}")
+            out.append(value)
+        return out
+
+    def run(self, command: str, here: Callable[[], Any], *args: Any) -> Any:
+        """Send ``command`` to every other rank, run ``here`` (rank 0's part), collect the replies."""
+        self.send(command, *args)
+        try:
+            result = here()
+        finally:
+            self.replies()
+        return result
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("stop", ()))
+            except (BrokenPipeError, OSError):
+                pass  # that rank is gone already; join() below reaps it
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    model_dir: Path,
+    config: TrainConfig,
+    device: torch.device,
+    fingerprint: dict[str, Any],
+    pipe: Connection,
+) -> None:
+    """A rank > 0: build the policy, then execute rank 0's commands until ``stop``."""
+    import torch.distributed as dist
+
+    from miles_core.rl.orchestrators.ray import check_fingerprint
+    from miles_core.rl.policy_update import DataParallel
+    from miles_core.rl.trainers.hf import HFPolicy
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:  # checked before joining the group: rank 0 would otherwise wait for this rank in vain
+        torch.set_num_threads(config.run.torch_threads)
+        check_fingerprint(fingerprint, f"trainer rank {rank}")
+        device = rank_device(device, rank)
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        return
+    pipe.send(("ok", "checked"))
+    try:
+        init_rank(rank, world_size, port, device)
+        policy = HFPolicy(model_dir, config, device, DataParallel(rank, world_size))
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        return
+    pipe.send(("ok", "built"))
+    commands: dict[str, Callable[..., Any]] = {
+        "train": policy.train,
+        "state": policy.full_state,
+        "save": policy.save,
+        "load": policy.load,
+    }
+    while True:
+        command, args = pipe.recv()
+        if command == "stop":
+            break
+        try:
+            result = commands[command](*args)
+            pipe.send(("ok", result if command == "train" else None))
+        except BaseException:
+            pipe.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
