@@ -10,7 +10,8 @@ prepared / unprepared step time (target <= 1.5).
 (forward+backward) on 8 documents of 64-4096 tokens, packed into one row vs padded to
 ``[8, 4096]``; headline ``ratio``: packed / padded real tokens per second (target >= 2.4), with
 MFU (6 * parameters * tokens / time against the measured bf16 matmul rate) and the max diff
-between packed and per-document logits (with and without the packing context, in fp32 and bf16).
+between packed and per-document logits (with and without the packing context; bf16, and fp32
+with ``--fp32-diffs``). ``--attention sdpa`` and ``--compile`` measure the two speed-ups alone.
 
 Prints one JSON line. ``--smoke`` runs the chosen part on a tiny model (checks the script, not
 the numbers).
@@ -29,6 +30,7 @@ import torch
 
 from miles_core.patches import prepare_model
 from miles_core.patches.packing import packed_position_ids
+from miles_core.rl.trainers.compile import compile_regions
 from miles_core.testing import isolated_plugin_manager
 
 #: H200 dense bf16 matmul rate measured on the lent machines (8192^3 products, random data)
@@ -66,9 +68,16 @@ GPU_MODEL = dict(
     tie_word_embeddings=False,
     max_position_embeddings=8192,
 )
-SMOKE_MODEL = dict(CPU_MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   layer_types=["linear_attention", "full_attention"], head_dim=16,
-                   linear_key_head_dim=8, linear_value_head_dim=8)
+SMOKE_MODEL = dict(
+    CPU_MODEL,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
 
 
 def build_model(overrides: dict[str, Any], device: str = "cpu") -> torch.nn.Module:
@@ -81,7 +90,9 @@ def build_model(overrides: dict[str, Any], device: str = "cpu") -> torch.nn.Modu
         return AutoModelForCausalLM.from_config(tiny_config("qwen3_5", **overrides)).float()
 
 
-def median_times(steps: dict[str, Callable[[], None]], iters: int, warmup: int, sync: Callable[[], None]) -> dict[str, float]:
+def median_times(
+    steps: dict[str, Callable[[], None]], iters: int, warmup: int, sync: Callable[[], None]
+) -> dict[str, float]:
     """Median seconds per call of each step, the steps interleaved so drift hits all alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + iters):
@@ -95,7 +106,9 @@ def median_times(steps: dict[str, Callable[[], None]], iters: int, warmup: int, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def packed_batch(lengths: list[int], vocab: int, device: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def packed_batch(
+    lengths: list[int], vocab: int, device: str, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     """One row, position ids restarting per document, no label across a boundary."""
     ids = torch.randint(2, vocab, (1, sum(lengths)), generator=generator).to(device)
     position_ids = packed_position_ids(lengths, device=device)
@@ -125,7 +138,9 @@ def train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callab
 
 
 @torch.no_grad()
-def per_document_diffs(model: torch.nn.Module, batch: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, float]:
+def per_document_diffs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], lengths: list[int]
+) -> dict[str, float]:
     """Max |packed - alone| over all documents' logits, with the packing context and without it."""
     ids, position_ids = batch["input_ids"], batch["position_ids"]
     packed = model(ids, position_ids=position_ids, use_cache=False).logits[0]
@@ -203,16 +218,29 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     lengths = [n // 32 for n in GPU_LENGTHS] if args.smoke else GPU_LENGTHS
     model = build_model(overrides, device).to(torch.bfloat16)
     report = prepare_model(model)
+    if args.attention == "sdpa":
+        model.set_attn_implementation("sdpa")  # transformers' dense block-diagonal mask
     params = sum(p.numel() for p in model.parameters())
     packed = packed_batch(lengths, overrides["vocab_size"], device, torch.Generator().manual_seed(1))
     padded = padded_batch(packed, lengths)
+    # before compiling: eval-mode forwards of new shapes would recompile the compiled regions
+    diffs_bf16 = per_document_diffs(model.eval(), packed, lengths)
+    model.train()
+    compiled = compile_regions(model) if args.compile else []
     steps = {"packed": train_step(model, packed), "padded": train_step(model, padded)}
     times = median_times(steps, args.iters, args.warmup, torch.cuda.synchronize)
+    busy = {name: gpu_busy_seconds(step) for name, step in steps.items()}
+    if args.profile:
+        print_profile(steps["packed"])
     model.zero_grad(set_to_none=True)
     tokens = sum(lengths)
     tps = {name: tokens / t for name, t in times.items()}
-    diffs_bf16 = per_document_diffs(model.eval(), packed, lengths)
-    diffs_fp32 = per_document_diffs(model.float(), packed, lengths)
+    # fp32 doubles fla's first-use kernel compilation (minutes); the GPU tests check fp32 equality
+    diffs_fp32 = None
+    if args.fp32_diffs:
+        fp32_model = build_model(overrides, device)  # the same weights, uncompiled, in fp32
+        prepare_model(fp32_model)
+        diffs_fp32 = per_document_diffs(fp32_model.eval(), packed, lengths)
     return {
         "benchmark": "gdn_packing",
         "device": torch.cuda.get_device_name() if device == "cuda" else device,
@@ -220,17 +248,43 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
         "target": ">= 2.4 (packed/padded tokens/s), MFU >= 0.25",
         "tokens_per_s": {k: round(v) for k, v in tps.items()},
         "step_ms": {k: round(v * 1e3, 1) for k, v in times.items()},
+        # kernel time of one step: well below step_ms means the host (Python, launches) is the limit
+        "gpu_busy_ms": {k: round(v * 1e3, 1) for k, v in busy.items()},
         "mfu": {k: round(6 * params * v / PEAK_BF16_FLOPS, 4) for k, v in tps.items()},
         "parameters": params,
         "real_tokens": tokens,
         "lengths": lengths,
         "diff_bf16": diffs_bf16,
         "diff_fp32": diffs_fp32,
+        "attention": model.config._attn_implementation,
+        "compiled": compiled,
         "kernels": dict(report["gdn-packing"].kernels),
         "patched": report.applied,
         "versions": _versions(),
         "smoke": args.smoke,
     }
+
+
+def gpu_busy_seconds(step: Callable[[], None]) -> float:
+    """The summed duration of the GPU kernels of one call of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA") / 1e6
+
+
+def print_profile(step: Callable[[], None], rows: int = 25) -> None:
+    """One step under torch.profiler: the kernels that take its GPU time, to stderr."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows), file=sys.stderr)
 
 
 def _versions() -> dict[str, str]:
@@ -250,6 +304,21 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="which part to run")
     parser.add_argument("--iters", type=int, default=8, help="timed repetitions per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument(
+        "--attention",
+        choices=["packed", "sdpa"],
+        default="packed",
+        help="GPU: per-document packed attention (what prepare_model sets) or transformers' masked sdpa",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="GPU: torch.compile norms and MLPs (trainer.compile)"
+    )
+    parser.add_argument(
+        "--fp32-diffs", action="store_true", help="GPU: also compare packed and per-document logits in fp32"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="GPU: print one packed step's kernel times to stderr"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model: check the script, not the numbers")
     args = parser.parse_args()
     import miles_qwen35.plugin
