@@ -11,7 +11,9 @@ prepared / unprepared step time (target <= 1.5).
 ``[8, 4096]``; headline ``ratio``: packed / padded real tokens per second (target >= 2.4), with
 MFU (6 * parameters * tokens / time against the measured bf16 matmul rate) and the max diff
 between packed and per-document logits (with and without the packing context; bf16, and fp32
-with ``--fp32-diffs``). ``--attention sdpa`` and ``--compile`` measure the two speed-ups alone.
+with ``--fp32-diffs``). ``--attention sdpa`` and ``--compile`` measure the two speed-ups alone; ``--mix-copies K``
+packs the length mix K times into the row (a trainer's ``max_tokens_per_row`` of ~10k x K), which
+spreads the step's fixed host cost over more tokens.
 
 Prints one JSON line. ``--smoke`` runs the chosen part on a tiny model (checks the script, not
 the numbers).
@@ -216,6 +218,7 @@ def cpu_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
     overrides = SMOKE_MODEL if args.smoke else GPU_MODEL
     lengths = [n // 32 for n in GPU_LENGTHS] if args.smoke else GPU_LENGTHS
+    lengths = lengths * args.mix_copies
     model = build_model(overrides, device).to(torch.bfloat16)
     report = prepare_model(model)
     if args.attention == "sdpa":
@@ -309,6 +312,12 @@ def main() -> None:
         choices=["packed", "sdpa"],
         default="packed",
         help="GPU: per-document packed attention (what prepare_model sets) or transformers' masked sdpa",
+    )
+    parser.add_argument(
+        "--mix-copies",
+        type=int,
+        default=1,
+        help="GPU: pack the 64-4096 length mix this many times into the row (padded: as many rows)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="GPU: torch.compile norms and MLPs (trainer.compile)"
