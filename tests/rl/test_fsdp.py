@@ -4,7 +4,7 @@ Differential: one policy update on the same documents gives the same statistics 
 norm, entropy, KL, log-prob mismatch, token counts) and the same weights with 2 ranks as with 1.
 Had the loss missed the all-rank token normalisation or the world-size scale, the gradient norm
 would differ by that factor (AdamW's update alone would hide it). A checkpoint written by the
-ranks restores their exact weights. (Measured: mean abs weight difference 2.9e-8; 0.1% of the
+ranks restores their exact weights, and a failure on rank 0 stops the other ranks. (Measured: mean abs weight difference 2.9e-8; 0.1% of the
 elements, those with ~0 gradient that AdamW's first step amplifies, differ by more than 1e-6.)
 """
 
@@ -82,6 +82,14 @@ def test_two_ranks_update_like_one(single, tmp_path) -> None:
         trainer.load(tmp_path / "ckpt")
         restored = trainer.engine_weights()
         assert all(torch.equal(restored[k], weights_2[k]) for k in weights_2)
+
+        # rank 0 fails (a token id past the vocabulary): the other ranks are stopped, not waited for
+        bad = [TrainDocument(token_ids=(3, 10**6, 4), response_length=1, loss_mask=(1,), rollout_logprobs=(-1.0,),
+                             advantage=1.0)] * 2
+        with pytest.raises(IndexError):
+            trainer.train(bad)
+        with pytest.raises(RuntimeError, match="stopped after an earlier failure"):
+            trainer.train(_docs())
     finally:
         trainer.close()
 

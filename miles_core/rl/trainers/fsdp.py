@@ -93,6 +93,7 @@ class RankGroup:
         fingerprint = get_plugin_manager().fingerprint()
         self.pipes: list[Connection] = []
         self.processes = []
+        self.killed = False
         for rank in range(1, world_size):
             here, there = context.Pipe()
             process = context.Process(
@@ -107,6 +108,8 @@ class RankGroup:
             self.processes.append(process)
 
     def send(self, command: str, *args: Any) -> None:
+        if self.killed:
+            raise RuntimeError("the trainer's other ranks were stopped after an earlier failure; start a new run")
         for pipe in self.pipes:
             pipe.send((command, args))
 
@@ -124,13 +127,26 @@ class RankGroup:
         return out
 
     def run(self, command: str, here: Callable[[], Any], *args: Any) -> Any:
-        """Send ``command`` to every other rank, run ``here`` (rank 0's part), collect the replies."""
+        """Send ``command`` to every other rank, run ``here`` (rank 0's part), collect the replies.
+
+        If rank 0's part fails, the other ranks may be waiting for it inside a collective: they
+        are killed rather than waited for, and the trainer is unusable afterwards.
+        """
         self.send(command, *args)
         try:
             result = here()
-        finally:
-            self.replies()
+        except BaseException:
+            self.kill()
+            raise
+        self.replies()
         return result
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        self.pipes, self.processes, self.killed = [], [], True
 
     def close(self) -> None:
         for pipe in self.pipes:

@@ -175,7 +175,9 @@ class HFTrainer:
                 self.policy = HFPolicy(model_dir, config, device, dp)
                 self.group.replies()  # every rank built its shard
             except BaseException:
-                self.close()
+                self.group.kill()  # they may be waiting for this rank inside a collective
+                self.group = None
+                _leave_process_group()
                 raise
         else:
             self.policy = HFPolicy(model_dir, config, device)
@@ -203,12 +205,16 @@ class HFTrainer:
     def close(self) -> None:
         if self.group is None:
             return
-        import torch.distributed as dist
-
         self.group.close()
         self.group = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _describe_report(report: Any) -> Any:
