@@ -42,7 +42,7 @@ def test_ray_run_equals_inprocess_run(direct_overrides, tmp_path):
 
 
 def test_fingerprint_mismatch_is_refused(miles_pm_factory):
-    from miles_core.rl.orchestrators.ray import FingerprintMismatch, check_fingerprint
+    from miles_core.rl.orchestrators.fingerprint import FingerprintMismatch, check_fingerprint
 
     pm = miles_pm_factory(builtins=True)
     expected = pm.fingerprint()

@@ -17,36 +17,10 @@ from typing import Any
 from miles_core.errors import ActivationError, MilesError
 from miles_core.rl.aio import BackgroundLoop
 from miles_core.rl.config import TrainConfig
+from miles_core.rl.orchestrators.fingerprint import FingerprintMismatch, check_fingerprint
 from miles_core.rl.rewards import RewardRunner
 from miles_core.rl.runtime import Runtime, engine_batch_size, model_directory, resolve_task
 from miles_core.rl.tasks import Prompt, resolve_reward
-
-
-class FingerprintMismatch(MilesError):
-    pass
-
-
-def _plugin_set(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The plugins part of a fingerprint (patches are applied later, when a model is built)."""
-    import hashlib
-    import json
-
-    plugins = fingerprint["plugins"]
-    digest = hashlib.sha256(json.dumps(plugins, sort_keys=True).encode()).hexdigest()
-    return {"plugins": plugins, "applied_patches": {}, "digest": digest}
-
-
-def check_fingerprint(expected: dict[str, Any], role: str) -> dict[str, Any]:
-    """This process's fingerprint, or :class:`FingerprintMismatch` naming every difference in the
-    loaded plugins (names, distributions, versions, status). Applied patches are compared once the
-    engine and trainer have built their models (:func:`build_ray`)."""
-    from miles_core.plugins import fingerprint_mismatch, get_plugin_manager
-
-    actual = get_plugin_manager().fingerprint()
-    diffs = fingerprint_mismatch(_plugin_set(expected), _plugin_set(actual))
-    if diffs:
-        raise FingerprintMismatch(f"{role} worker loaded different plugins than the driver: " + "; ".join(diffs))
-    return actual
 
 
 class EngineWorker:

@@ -174,7 +174,7 @@ def _rank_main(
     """A rank > 0: build the policy, then execute rank 0's commands until ``stop``."""
     import torch.distributed as dist
 
-    from miles_core.rl.orchestrators.ray import check_fingerprint
+    from miles_core.rl.orchestrators.fingerprint import check_fingerprint
     from miles_core.rl.policy_update import DataParallel
     from miles_core.rl.trainers.hf import HFPolicy
 
