@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -77,6 +78,11 @@ def _run_session_server(queue, upstream: str, version: str) -> None:
     sock = bind_socket("127.0.0.1", 0)
     queue.put((base_url(sock), os.getpid()))
     serve_forever(app, sock)
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -196,14 +202,17 @@ def main() -> None:
     mean_delay = args.stub_delay_ms / 1000
     try:
         asyncio.run(_agents(server_url, 4, 2, through_session=True, mean_delay_s=0))  # warm-up
+        client_before = _own_cpu_seconds()
         direct, direct_s, _ = asyncio.run(
             _agents(stub_url, args.sessions, args.turns, through_session=False, mean_delay_s=mean_delay)
         )
-        cpu_before = _cpu_seconds(server_pid)
+        client_direct = _own_cpu_seconds() - client_before
+        cpu_before, client_before = _cpu_seconds(server_pid), _own_cpu_seconds()
         via, via_s, ids = asyncio.run(
             _agents(server_url, args.sessions, args.turns, through_session=True, mean_delay_s=mean_delay)
         )
         server_cpu = _cpu_seconds(server_pid) - cpu_before
+        client_via = _own_cpu_seconds() - client_before
         completion_tokens = len(_fixed_reply()["choices"][0]["meta_info"]["output_token_logprobs"])
         lost = asyncio.run(_lost_records(server_url, ids, args.turns, completion_tokens))
     finally:
@@ -229,6 +238,8 @@ def main() -> None:
         "ratio_p50": round(p["session_p50_ms"] / p["direct_p50_ms"], 4),
         "turns_per_s": round(len(via) / via_s, 1),
         "server_cpu_ms_per_turn": round(server_cpu / len(via) * 1000, 3),
+        # the load generator shares the machine's cores: its CPU per turn, direct and through sessions
+        "client_cpu_ms_per_turn": [round(client_direct / len(direct) * 1000, 3), round(client_via / len(via) * 1000, 3)],
         "direct_turns_per_s": round(len(direct) / direct_s, 1),
         "lost_records": lost,
         "assembly_32k_ms": round(assembly_v1, 3),
