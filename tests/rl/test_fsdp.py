@@ -15,13 +15,14 @@ import random
 import pytest
 import torch
 
-from miles_core.ci.register import register_cpu_ci
+from miles_core.ci.register import register_cpu_ci, register_cuda_ci
 from miles_core.engine.presets import preset_dir
 from miles_core.rl.algorithms import TrainDocument
 from miles_core.rl.config import load_config
 from miles_core.rl.trainers.hf import HFTrainer
 
 register_cpu_ci(est_time=45, suite="stage-b-cpu")
+register_cuda_ci(est_time=120, suite="stage-c-2-gpu-h200", labels=["gpu"])
 
 STATS = ("loss", "grad_norm", "entropy", "approx_kl", "kl_ref", "clip_fraction", "logprob_mismatch_mean",
          "logprob_mismatch_max", "train_tokens")
@@ -44,13 +45,13 @@ def _docs(n: int = 13) -> list[TrainDocument]:
     return docs
 
 
-def _trainer(world_size: int) -> HFTrainer:
+def _trainer(world_size: int, device: str = "cpu") -> HFTrainer:
     config = load_config(
         "tiny",
-        overrides=[f"trainer.world_size={world_size}", 'trainer.device="cpu"', "trainer.max_tokens_per_row=48",
+        overrides=[f"trainer.world_size={world_size}", f'trainer.device="{device}"', "trainer.max_tokens_per_row=48",
                    "algorithm.minibatches=2"],
     )
-    return HFTrainer(preset_dir(config.model.preset), config, torch.device("cpu"))
+    return HFTrainer(preset_dir(config.model.preset), config, torch.device(device))
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,25 @@ def test_two_ranks_update_like_one(single, tmp_path) -> None:
 def test_world_size_is_an_hf_setting() -> None:
     with pytest.raises(Exception, match=r"trainer\.world_size > 1 needs trainer\.backend = 'hf'"):
         load_config("tiny", overrides=['trainer.backend="megatron"', "trainer.world_size=2"])
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs two CUDA GPUs"
+)
+def test_two_gpu_ranks_update_like_one_gpu() -> None:
+    """The same differential on cuda:0 + cuda:1 over NCCL (fla's kernels run tf32, hence rel 1e-3)."""
+    one = _trainer(1, "cuda")
+    stats_1 = one.train(_docs())
+    weights_1 = {k: v.detach().float().cpu() for k, v in one.engine_weights().items()}
+    del one
+    torch.cuda.empty_cache()
+    two = _trainer(2, "cuda")
+    try:
+        stats_2 = two.train(_docs())
+        weights_2 = {k: v.float().cpu() for k, v in two.engine_weights().items()}
+    finally:
+        two.close()
+    for key in STATS:
+        assert stats_2[key] == pytest.approx(stats_1[key], rel=1e-3, abs=1e-5), key
+    diff = torch.cat([(weights_2[k] - weights_1[k]).abs().flatten() for k in weights_1])
+    assert diff.mean().item() <= 1e-5, diff.max()
