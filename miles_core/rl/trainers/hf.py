@@ -123,16 +123,19 @@ class HFPolicy:
         torch.save(optimizer_state, directory / "optimizer.pt")
 
     def _optimizer_state(self) -> dict[str, Any]:
-        if self.dp is None:
-            return self.optimizer.state_dict()
+        """The whole optimizer state keyed by parameter name, so any world size can load it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.dp is not None)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
 
     def load(self, directory: Path) -> None:
         from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         state: dict[str, torch.Tensor] = {}
         for shard in sorted((directory / "model").glob("*.safetensors")):
@@ -143,18 +146,17 @@ class HFPolicy:
         if unexpected or missing:
             raise RuntimeError(f"checkpoint {directory}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
-        if self.dp is None:
-            self.model.load_state_dict(state, strict=False)
-            self.optimizer.load_state_dict(optimizer_state)
-            return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, state, options=options)
+        if all(isinstance(key, int) for key in optimizer_state.get("state", {})):
+            # written by optimizer.state_dict() (parameter indices, one process) before names were used
+            if self.dp is not None:
+                raise RuntimeError(
+                    f"checkpoint {directory}: its optimizer state is keyed by parameter index (an older "
+                    "single-process checkpoint); resume it with trainer.world_size = 1"
+                )
+            self.optimizer.load_state_dict(optimizer_state)
+            return
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
 
 
