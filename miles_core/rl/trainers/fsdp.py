@@ -3,20 +3,20 @@
 The run's process is rank 0; :class:`RankGroup` spawns ranks 1..N-1, each a process that builds
 the same :class:`~miles_core.rl.trainers.hf.HFPolicy` (the model sharded with FSDP2's
 ``fully_shard``, one GPU per rank on CUDA through NCCL, or gloo on CPU) and then executes the
-commands rank 0 sends it, in the same order, since each one is a collective: ``train`` (the step's
-whole document list; every rank trains its share, see
-:class:`~miles_core.rl.policy_update.DataParallel`), ``state`` (gather the full weights to rank 0
-for the engine), ``save`` and ``load``, ``stop``. A rank that fails replies with its traceback, which
-rank 0 raises naming the rank. Every rank checks rank 0's plugin fingerprint before building.
+commands rank 0 sends it, in the same order, since each one is a collective. A command is the name
+of the ``HFPolicy`` method every rank calls (:data:`COMMANDS`): ``train`` (the step's whole document
+list; every rank trains its share, see :class:`~miles_core.rl.policy_update.DataParallel`),
+``full_state`` (gather the full weights to rank 0 for the engine), ``save`` and ``load``; ``stop``
+ends a rank. A rank that fails replies with its traceback, which rank 0 raises naming the rank.
+Every rank checks rank 0's plugin fingerprint before building. The ranks meet at a ``TCPStore``
+that rank 0 opens on a free loopback port.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,9 @@ from miles_core.rl.config import TrainConfig
 
 #: how long a collective waits for a rank that stopped answering before it fails
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+#: the ``HFPolicy`` methods rank 0 runs on every rank
+COMMANDS = frozenset({"train", "full_state", "save", "load"})
+HOST = "127.0.0.1"
 
 
 def backend_for(device: torch.device) -> str:
@@ -34,7 +37,7 @@ def backend_for(device: torch.device) -> str:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``r`` trains on ``cuda:r`` (rank 0 on the configured device); CPU ranks share the CPU."""
+    """Rank ``r`` trains on ``cuda:r``; CPU ranks share the CPU."""
     if device.type != "cuda":
         return device
     if rank >= torch.cuda.device_count():
@@ -46,17 +49,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def init_rank(rank: int, world_size: int, port: int, device: torch.device) -> None:
+def init_rank(rank: int, world_size: int, store: Any, device: torch.device) -> None:
     import torch.distributed as dist
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend_for(device),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
+        backend_for(device), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
 
 
@@ -76,20 +75,19 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> list[str]:
     return sharded
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class RankGroup:
     """Ranks 1..N-1 of a data-parallel trainer, driven from rank 0 (this process)."""
 
     def __init__(self, world_size: int, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+        import torch.distributed as dist
+
         from miles_core.plugins import get_plugin_manager
 
         context = torch.multiprocessing.get_context("spawn")
-        self.port = free_port()
+        #: rank 0's end of the rendezvous (port 0: the OS picks a free one, no race)
+        self.store = dist.TCPStore(
+            HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+        )
         fingerprint = get_plugin_manager().fingerprint()
         self.pipes: list[Connection] = []
         self.processes = []
@@ -98,7 +96,7 @@ class RankGroup:
             here, there = context.Pipe()
             process = context.Process(
                 target=_rank_main,
-                args=(rank, world_size, self.port, Path(model_dir), config, device, fingerprint, there),
+                args=(rank, world_size, self.store.port, Path(model_dir), config, device, fingerprint, there),
                 name=f"miles-trainer-rank{rank}",
                 daemon=True,
             )
@@ -108,6 +106,8 @@ class RankGroup:
             self.processes.append(process)
 
     def send(self, command: str, *args: Any) -> None:
+        if command not in COMMANDS:
+            raise ValueError(f"unknown trainer command {command!r} (known: {', '.join(sorted(COMMANDS))})")
         if self.killed:
             raise RuntimeError("the trainer's other ranks were stopped after an earlier failure; start a new run")
         for pipe in self.pipes:
@@ -126,15 +126,15 @@ class RankGroup:
             out.append(value)
         return out
 
-    def run(self, command: str, here: Callable[[], Any], *args: Any) -> Any:
-        """Send ``command`` to every other rank, run ``here`` (rank 0's part), collect the replies.
+    def run(self, policy: Any, command: str, *args: Any) -> Any:
+        """Call ``policy.<command>(*args)`` on every rank (``policy`` is rank 0's); rank 0's result.
 
         If rank 0's part fails, the other ranks may be waiting for it inside a collective: they
         are killed rather than waited for, and the trainer is unusable afterwards.
         """
         self.send(command, *args)
         try:
-            result = here()
+            result = getattr(policy, command)(*args)
         except BaseException:
             self.kill()
             raise
@@ -188,25 +188,19 @@ def _rank_main(
         return
     pipe.send(("ok", "checked"))
     try:
-        init_rank(rank, world_size, port, device)
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        init_rank(rank, world_size, store, device)
         policy = HFPolicy(model_dir, config, device, DataParallel(rank, world_size))
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return
     pipe.send(("ok", "built"))
-    commands: dict[str, Callable[..., Any]] = {
-        "train": policy.train,
-        "state": policy.full_state,
-        "save": policy.save,
-        "load": policy.load,
-    }
     while True:
         command, args = pipe.recv()
         if command == "stop":
             break
         try:
-            result = commands[command](*args)
-            pipe.send(("ok", result if command == "train" else None))
+            pipe.send(("ok", getattr(policy, command)(*args)))
         except BaseException:
             pipe.send(("error", traceback.format_exc()))
     dist.destroy_process_group()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +172,7 @@ class HFTrainer:
             try:
                 self.group.replies()  # every rank checked the plugin fingerprint and has its device
                 device = rank_device(device, 0)
-                init_rank(0, world_size, self.group.port, device)
+                init_rank(0, world_size, self.group.store, device)
                 dp = DataParallel(0, world_size)
                 self.policy = HFPolicy(model_dir, config, device, dp)
                 self.group.replies()  # every rank built its shard
@@ -185,24 +185,23 @@ class HFTrainer:
             self.policy = HFPolicy(model_dir, config, device)
         self.report = self.policy.report
 
-    @property
-    def model(self) -> Any:
-        return self.policy.model
-
-    def _everywhere(self, command: str, here: Callable[[], Any], *args: Any) -> Any:
-        return here() if self.group is None else self.group.run(command, here, *args)
+    def _everywhere(self, command: str, *args: Any) -> Any:
+        """``self.policy.<command>(*args)``, on every rank when there are several."""
+        if self.group is None:
+            return getattr(self.policy, command)(*args)
+        return self.group.run(self.policy, command, *args)
 
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
-        return self._everywhere("train", lambda: self.policy.train(docs), docs)
+        return self._everywhere("train", docs)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        return self._everywhere("state", self.policy.full_state)
+        return self._everywhere("full_state")
 
     def save(self, directory: Path) -> None:
-        self._everywhere("save", lambda: self.policy.save(directory), directory)
+        self._everywhere("save", directory)
 
     def load(self, directory: Path) -> None:
-        self._everywhere("load", lambda: self.policy.load(directory), directory)
+        self._everywhere("load", directory)
 
     def close(self) -> None:
         if self.group is None:
