@@ -30,9 +30,7 @@ class ModelSection(_Section):
     """Which model is trained (and served to the engine). Exactly one of ``preset``/``path``."""
 
     preset: str | None = Field(None, description="engine model preset built by code (tiny, small-gpu)")
-    path: str | None = Field(
-        None, description="local Hugging Face model directory (config, safetensors, tokenizer)"
-    )
+    path: str | None = Field(None, description="local Hugging Face model directory (config, safetensors, tokenizer)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training and serving dtype")
 
     @model_validator(mode="after")
@@ -96,9 +94,7 @@ class AlgorithmSection(_Section):
 class TrainerSection(_Section):
     """The trainer backend."""
 
-    backend: Literal["hf", "megatron"] = Field(
-        "hf", description="hf: transformers + torch; megatron: megatron-core"
-    )
+    backend: Literal["hf", "megatron"] = Field("hf", description="hf: transformers + torch; megatron: megatron-core")
     device: str = Field("auto", description="auto (the selected hardware backend's device), cpu or cuda[:N]")
     max_tokens_per_row: int = Field(4096, ge=8, description="token budget of one packed training row")
     packing: bool = Field(True, description="pack documents into rows with position_ids restarting at 0")
@@ -202,13 +198,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "algorithm": {"lr": 3e-3, "kl_coef": 0.3},
         "trainer": {"backend": "hf", "device": "auto", "max_tokens_per_row": 1024},
-        "run": {
-            "steps": 60,
-            "eval_every": 2,
-            "stop_at_accuracy": 0.9,
-            "time_limit_s": 150,
-            "out_dir": "runs/tiny",
-        },
+        "run": {"steps": 60, "eval_every": 2, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
     },
     # One GPU: the ~0.5B Qwen3.5-architecture preset in bf16, in-process.
     "small-gpu": {

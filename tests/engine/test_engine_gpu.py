@@ -24,10 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _requests(n: int, max_tokens: int) -> list[GenerationRequest]:
     return [
-        GenerationRequest(
-            [(7 * i + j) % 256 for j in range(5 + i % 17)],
-            SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True),
-        )
+        GenerationRequest([(7 * i + j) % 256 for j in range(5 + i % 17)], SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True))
         for i in range(n)
     ]
 
@@ -36,30 +33,20 @@ def test_tiny_fp32_on_gpu_matches_a_teacher_forced_forward(tmp_path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     requests = _requests(16, 24)
-    with Engine.from_pretrained(
-        preset_dir("tiny", tmp_path), EngineConfig(device="cuda", dtype="float32", max_batch_size=16)
-    ) as engine:
+    with Engine.from_pretrained(preset_dir("tiny", tmp_path), EngineConfig(device="cuda", dtype="float32", max_batch_size=16)) as engine:
         together = engine.generate(requests)
         alone = [engine.generate([r])[0] for r in requests[:4]]
         for request, completion in zip(requests, together):
             ids = torch.tensor([[*request.input_ids, *completion.token_ids]], device="cuda")
             with torch.inference_mode():
-                logprobs = (
-                    engine.model(ids).logits[0, len(request.input_ids) - 1 : -1].float().log_softmax(-1)
-                )
-            expected = (
-                logprobs.gather(-1, torch.tensor(completion.token_ids, device="cuda")[:, None])
-                .squeeze(-1)
-                .cpu()
-            )
+                logprobs = engine.model(ids).logits[0, len(request.input_ids) - 1 : -1].float().log_softmax(-1)
+            expected = logprobs.gather(-1, torch.tensor(completion.token_ids, device="cuda")[:, None]).squeeze(-1).cpu()
             assert (expected - torch.tensor(completion.logprobs)).abs().max() <= 5e-4
     assert [c.token_ids for c in alone] == [c.token_ids for c in together[:4]]
 
 
 def test_small_gpu_preset_serves_64_concurrent_requests(tmp_path) -> None:
-    with Engine.from_pretrained(
-        preset_dir("small-gpu", tmp_path), EngineConfig(device="cuda", max_batch_size=64)
-    ) as engine:
+    with Engine.from_pretrained(preset_dir("small-gpu", tmp_path), EngineConfig(device="cuda", max_batch_size=64)) as engine:
         assert engine.dtype == torch.bfloat16
         completions = engine.generate(_requests(64, 32))
         assert engine.stats()["decode_steps"] < 64 * 32 // 4

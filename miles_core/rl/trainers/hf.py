@@ -23,14 +23,8 @@ from miles_core.rl.trainers.fsdp import RankGroup, init_rank, rank_device, shard
 from miles_core.rl.trainers.packing_guard import check_packing_safe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "miles_asset.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "miles_asset.json")
 
 
 def load_causal_lm(model_dir: Path, dtype: str, device: torch.device) -> Any:

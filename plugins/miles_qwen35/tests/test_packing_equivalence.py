@@ -28,9 +28,7 @@ register_cpu_ci(est_time=26, suite="stage-a-cpu")
 TOL = 1e-5
 
 
-def packed_run(
-    model: torch.nn.Module, docs: SimpleNamespace
-) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def packed_run(model: torch.nn.Module, docs: SimpleNamespace) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Per-document logits of the packed row, and the gradients of a loss over the documents."""
     model.zero_grad(set_to_none=True)
     logits = model(docs.ids, position_ids=docs.position_ids, use_cache=False).logits
@@ -39,9 +37,7 @@ def packed_run(
     return [lg.detach() for lg in per_doc], grads(model)
 
 
-def alone_run(
-    model: torch.nn.Module, docs: SimpleNamespace
-) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def alone_run(model: torch.nn.Module, docs: SimpleNamespace) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Each document on its own; the gradients of the same loss, accumulated over documents."""
     model.zero_grad(set_to_none=True)
     out = []
@@ -122,9 +118,7 @@ def per_document_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
-def test_packed_attention_equals_the_masked_sdpa_path(
-    qwen_pm, docs, per_document_calls, checkpointing
-) -> None:
+def test_packed_attention_equals_the_masked_sdpa_path(qwen_pm, docs, per_document_calls, checkpointing) -> None:
     model = tiny_model("qwen3_5").train()
     if checkpointing:
         model.gradient_checkpointing_enable()
