@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,16 +71,9 @@ GPU_MODEL = dict(
     tie_word_embeddings=False,
     max_position_embeddings=8192,
 )
-SMOKE_MODEL = dict(
-    CPU_MODEL,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    layer_types=["linear_attention", "full_attention"],
-    head_dim=16,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-)
+SMOKE_MODEL = dict(CPU_MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   layer_types=["linear_attention", "full_attention"], head_dim=16,
+                   linear_key_head_dim=8, linear_value_head_dim=8)
 
 
 def build_model(overrides: dict[str, Any], device: str = "cpu") -> torch.nn.Module:
@@ -92,9 +86,7 @@ def build_model(overrides: dict[str, Any], device: str = "cpu") -> torch.nn.Modu
         return AutoModelForCausalLM.from_config(tiny_config("qwen3_5", **overrides)).float()
 
 
-def median_times(
-    steps: dict[str, Callable[[], None]], iters: int, warmup: int, sync: Callable[[], None]
-) -> dict[str, float]:
+def median_times(steps: dict[str, Callable[[], None]], iters: int, warmup: int, sync: Callable[[], None]) -> dict[str, float]:
     """Median seconds per call of each step, the steps interleaved so drift hits all alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + iters):
@@ -108,9 +100,7 @@ def median_times(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def packed_batch(
-    lengths: list[int], vocab: int, device: str, generator: torch.Generator
-) -> dict[str, torch.Tensor]:
+def packed_batch(lengths: list[int], vocab: int, device: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """One row, position ids restarting per document, no label across a boundary."""
     ids = torch.randint(2, vocab, (1, sum(lengths)), generator=generator).to(device)
     position_ids = packed_position_ids(lengths, device=device)
@@ -140,9 +130,7 @@ def train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callab
 
 
 @torch.no_grad()
-def per_document_diffs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], lengths: list[int]
-) -> dict[str, float]:
+def per_document_diffs(model: torch.nn.Module, batch: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, float]:
     """Max |packed - alone| over all documents' logits, with the packing context and without it."""
     ids, position_ids = batch["input_ids"], batch["position_ids"]
     packed = model(ids, position_ids=position_ids, use_cache=False).logits[0]
@@ -232,9 +220,11 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     compiled = compile_regions(model) if args.compile else []
     steps = {"packed": train_step(model, packed), "padded": train_step(model, padded)}
     times = median_times(steps, args.iters, args.warmup, torch.cuda.synchronize)
-    busy = {name: gpu_busy_seconds(step) for name, step in steps.items()}
-    if args.profile:
-        print_profile(steps["packed"])
+    profiles = {name: profile_step(step) for name, step in steps.items()}
+    busy = {name: gpu_busy_seconds(prof) for name, prof in profiles.items()}
+    if args.profile:  # the kernels that take the packed step's GPU time
+        table = profiles["packed"].key_averages().table(sort_by="self_device_time_total", row_limit=25)
+        print(table, file=sys.stderr)
     model.zero_grad(set_to_none=True)
     tokens = sum(lengths)
     tps = {name: tokens / t for name, t in times.items()}
@@ -268,26 +258,19 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     }
 
 
-def gpu_busy_seconds(step: Callable[[], None]) -> float:
-    """The summed duration of the GPU kernels of one call of ``step``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA") / 1e6
-
-
-def print_profile(step: Callable[[], None], rows: int = 25) -> None:
-    """One step under torch.profiler: the kernels that take its GPU time, to stderr."""
-    import sys
-
+def profile_step(step: Callable[[], None]) -> Any:
+    """One call of ``step`` under torch.profiler (host and GPU activity)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows), file=sys.stderr)
+    return prof
+
+
+def gpu_busy_seconds(prof: Any) -> float:
+    """The summed duration of the GPU kernels a profiled step ran."""
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA") / 1e6
 
 
 def _versions() -> dict[str, str]:
@@ -307,27 +290,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="which part to run")
     parser.add_argument("--iters", type=int, default=8, help="timed repetitions per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    parser.add_argument(
-        "--attention",
-        choices=["packed", "sdpa"],
-        default="packed",
-        help="GPU: per-document packed attention (what prepare_model sets) or transformers' masked sdpa",
-    )
-    parser.add_argument(
-        "--mix-copies",
-        type=int,
-        default=1,
-        help="GPU: pack the 64-4096 length mix this many times into the row (padded: as many rows)",
-    )
-    parser.add_argument(
-        "--compile", action="store_true", help="GPU: torch.compile norms and MLPs (trainer.compile)"
-    )
-    parser.add_argument(
-        "--fp32-diffs", action="store_true", help="GPU: also compare packed and per-document logits in fp32"
-    )
-    parser.add_argument(
-        "--profile", action="store_true", help="GPU: print one packed step's kernel times to stderr"
-    )
+    parser.add_argument("--attention", choices=["packed", "sdpa"], default="packed",
+                        help="GPU: per-document packed attention (what prepare_model sets) or transformers' masked sdpa")
+    parser.add_argument("--mix-copies", type=int, default=1,
+                        help="GPU: pack the 64-4096 length mix this many times into the row (padded: as many rows)")
+    parser.add_argument("--compile", action="store_true", help="GPU: torch.compile norms and MLPs (trainer.compile)")
+    parser.add_argument("--fp32-diffs", action="store_true", help="GPU: also compare packed and per-document logits in fp32")
+    parser.add_argument("--profile", action="store_true", help="GPU: print one packed step's kernel times to stderr")
     parser.add_argument("--smoke", action="store_true", help="tiny model: check the script, not the numbers")
     args = parser.parse_args()
     import miles_qwen35.plugin
