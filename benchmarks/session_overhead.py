@@ -26,7 +26,6 @@ import json
 import multiprocessing
 import os
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -78,11 +77,6 @@ def _run_session_server(queue, upstream: str, version: str) -> None:
     sock = bind_socket("127.0.0.1", 0)
     queue.put((base_url(sock), os.getpid()))
     serve_forever(app, sock)
-
-
-def _own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -202,17 +196,17 @@ def main() -> None:
     mean_delay = args.stub_delay_ms / 1000
     try:
         asyncio.run(_agents(server_url, 4, 2, through_session=True, mean_delay_s=0))  # warm-up
-        client_before = _own_cpu_seconds()
+        client_before = _cpu_seconds(os.getpid())
         direct, direct_s, _ = asyncio.run(
             _agents(stub_url, args.sessions, args.turns, through_session=False, mean_delay_s=mean_delay)
         )
-        client_direct = _own_cpu_seconds() - client_before
-        cpu_before, client_before = _cpu_seconds(server_pid), _own_cpu_seconds()
+        client_direct = _cpu_seconds(os.getpid()) - client_before
+        cpu_before, client_before = _cpu_seconds(server_pid), _cpu_seconds(os.getpid())
         via, via_s, ids = asyncio.run(
             _agents(server_url, args.sessions, args.turns, through_session=True, mean_delay_s=mean_delay)
         )
         server_cpu = _cpu_seconds(server_pid) - cpu_before
-        client_via = _own_cpu_seconds() - client_before
+        client_via = _cpu_seconds(os.getpid()) - client_before
         completion_tokens = len(_fixed_reply()["choices"][0]["meta_info"]["output_token_logprobs"])
         lost = asyncio.run(_lost_records(server_url, ids, args.turns, completion_tokens))
     finally:
