@@ -57,11 +57,13 @@ class ReplyFormatWarmup:
         digits = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(str(d))) for d in range(10)]
         if any(len(d) != 1 for d in digits):
             raise ValueError("reply-format warm-up: the tokenizer does not encode each digit as one token")
-        inputs = torch.tensor(prompts)
-        digit_ids = torch.tensor([d[0] for d in digits])
+        device = warmup_device()
+        inputs = torch.tensor(prompts, device=device)
+        digit_ids = torch.tensor([d[0] for d in digits], device=device)
+        model.to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the same reduction order, so the same weights, on any machine
+        torch.set_num_threads(1)  # the same reduction order, so the same weights, on any CPU machine
         try:
             model.train()
             for _ in range(self.steps):
@@ -73,6 +75,18 @@ class ReplyFormatWarmup:
             model.eval()
         finally:
             torch.set_num_threads(threads)
+            model.to("cpu")
+
+
+def warmup_device() -> str:
+    """Where a preset's warm-up trains: the CPU, unless fla is installed next to a GPU.
+
+    transformers then binds Gated DeltaNet's kernels to fla's Triton kernels, which cannot take CPU
+    tensors (see :func:`~miles_core.hardware.gdn.gdn_model_device`).
+    """
+    from miles_core.hardware.gdn import gdn_model_device
+
+    return gdn_model_device()
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ class Preset:
         recipe = {
             "v": RECIPE_VERSION,
             "preset": asdict(self),
+            # a warm-up on the GPU (fla installed) ends in slightly different weights
+            "warmup_device": warmup_device() if self.warmup is not None else None,
             "tokenizer": recipe_digest(),
             # Weight initialisation is only reproducible within one torch/transformers version.
             "torch": metadata.version("torch"),

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-TOLERANCE = 1e-5
+#: max |engine - teacher-forced| fp32 log-prob, per device type. On CUDA fla's Triton kernels run
+#: tf32 dot products whatever torch's tf32 switches say, and its recurrent decode kernel sums in
+#: another order than its chunked prefill (measured on an H200: 4e-5 here, 1.2e-4 over 384 tokens).
+TOLERANCE = {"cpu": 1e-5, "cuda": 5e-4}
+
+
+def logprob_tolerance(device: str) -> float:
+    """The fp32 log-prob agreement the embedded engine must reach on ``device``."""
+    return TOLERANCE.get(device.split(":")[0], TOLERANCE["cpu"])
 
 
 def check_embedded(model_path: str | None = None) -> dict[str, Any]:
@@ -35,6 +43,10 @@ def check_embedded(model_path: str | None = None) -> dict[str, Any]:
                 logprobs = engine.model(ids).logits[0, len(request.input_ids) - 1 : -1].float().log_softmax(-1)
             reference = logprobs.gather(-1, torch.tensor(completion.token_ids, device=device)[:, None]).squeeze(-1).cpu()
             worst = max(worst, float((reference - torch.tensor(completion.logprobs)).abs().max()))
-    if worst > TOLERANCE:
-        raise AssertionError(f"engine log-probs differ from a teacher-forced forward by {worst:.2e} (> {TOLERANCE:g})")
-    return {"model": str(path), "max_abs_logprob_diff": worst, "patches": engine.patch_report.applied}
+    tolerance = logprob_tolerance(device)
+    if worst > tolerance:
+        raise AssertionError(
+            f"engine log-probs differ from a teacher-forced forward by {worst:.2e} (> {tolerance:g} on {device})"
+        )
+    return {"model": str(path), "device": device, "max_abs_logprob_diff": worst, "tolerance": tolerance,
+            "patches": engine.patch_report.applied}

@@ -15,7 +15,9 @@ transformers' GDN ``forward`` calls two module-level kernels, ``causal_conv1d_fn
 Patching a class changes it for the whole process, so a layer only takes the packed path once
 ``prepare_model`` has enabled it (:func:`enable_layer`): a model built or prepared without this
 plugin keeps transformers' behaviour even after another model was prepared with it. Unpacked
-forwards (no context) run the original forward with the original kernels, bit for bit.
+forwards (no context) run the original forward with the original kernels, bit for bit, except
+that CPU tensors skip the fla kernels transformers binds whenever fla imports (Triton cannot read
+them) and go to transformers' torch implementation at the bottom of its wrappers.
 """
 
 from __future__ import annotations
@@ -88,15 +90,30 @@ class _PackedCall:
 _ACTIVE: contextvars.ContextVar[_PackedCall | None] = contextvars.ContextVar("miles_gdn_packed_call", default=None)
 
 
+def _reference_can_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """An unpacked call on CPU tensors. Boundaries passed by transformers itself stay with the
+    original, which refuses them without fla (its torch implementation would ignore them)."""
+    if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+        return False
+    first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    return not first.is_cuda
+
+
 def _dispatcher(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     route = _PackedCall.conv if name == CONV else _PackedCall.chunk
+
+    # transformers binds the name to fla's Triton kernel whenever fla imports, whatever the device;
+    # the function at the bottom of its wrappers is transformers' own torch implementation.
+    reference = inspect.unwrap(original)
 
     @functools.wraps(original)
     def kernel(*args: Any, **kwargs: Any) -> Any:
         call = _ACTIVE.get()
-        if call is None:
-            return original(*args, **kwargs)
-        return route(call, *args, **kwargs)
+        if call is not None:
+            return route(call, *args, **kwargs)
+        if reference is not original and _reference_can_run(args, kwargs):
+            return reference(*args, **kwargs)  # Triton kernels cannot take CPU tensors
+        return original(*args, **kwargs)
 
     setattr(kernel, KERNEL_MARK, original)
     return kernel

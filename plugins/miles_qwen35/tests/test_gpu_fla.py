@@ -22,18 +22,26 @@ register_cuda_ci(est_time=300, suite="stage-b-1-gpu-h200", labels=["gpu"])
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and fla_varlen.fla_available()), reason="needs CUDA and fla"
 )
-RTOL = 2e-3
+#: fla vs the fp32 torch reference, relative to each tensor's largest entry. Measured on an H200
+#: (2026-11-30): 2.8e-3 at worst over the outputs and gradients (tf32 rounding, ~5e-4 per product,
+#: compounded through the chunked recurrence).
+RTOL = 5e-3
+#: the least a leak across the boundaries must move each compared tensor (measured on CPU with the
+#: same data: 0.038-0.67 for the kernels' outputs and gradients, 0.044-0.11 for tiny models' logits)
+LEAK_FLOOR = 2e-2
 LENGTHS = [100, 37, 1, 250]
+NAMES = ("conv", "chunk", "dq", "dk", "dv", "dg", "dbeta", "dx", "dw")
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
 def test_fla_kernels_match_the_torch_reference_with_gradients() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     total, hk, hv, d = sum(LENGTHS), 2, 4, 64
     ctx = PackedSequences.from_lengths(LENGTHS, device="cuda")
+    one_document = PackedSequences.from_lengths([total], device="cuda")
 
     def leaf(*shape, fn=lambda t: t):
         return fn(torch.randn(*shape, device="cuda", generator=gen)).requires_grad_()
@@ -42,20 +50,27 @@ def test_fla_kernels_match_the_torch_reference_with_gradients() -> None:
     g = leaf(1, total, hv, fn=lambda t: -torch.sigmoid(t))
     beta = leaf(1, total, hv, fn=torch.sigmoid)
     x, w = leaf(1, 96, total), leaf(96, 4, fn=lambda t: t * 0.5)
+
+    def torch_kernels(seq_idx):
+        return (lambda: torch_varlen.causal_conv1d(x, w, None, "silu", seq_idx),
+                lambda: torch_varlen.chunk_gated_delta_rule(q, k, v, g, beta, seq_idx, use_qk_l2norm_in_kernel=True))
+
     results = {}
-    for name, conv, chunk in (
-        ("fla", lambda: fla_varlen.causal_conv1d(x, w, None, "silu", ctx),
-         lambda: fla_varlen.chunk_gated_delta_rule(q, k, v, g, beta, ctx, use_qk_l2norm_in_kernel=True)),
-        ("torch", lambda: torch_varlen.causal_conv1d(x, w, None, "silu", ctx.seq_idx),
-         lambda: torch_varlen.chunk_gated_delta_rule(q, k, v, g, beta, ctx.seq_idx, use_qk_l2norm_in_kernel=True)),
-    ):
+    for name, (conv, chunk) in {
+        "fla": (lambda: fla_varlen.causal_conv1d(x, w, None, "silu", ctx),
+                lambda: fla_varlen.chunk_gated_delta_rule(q, k, v, g, beta, ctx, use_qk_l2norm_in_kernel=True)),
+        "torch": torch_kernels(ctx.seq_idx),
+        "leaking": torch_kernels(one_document.seq_idx),  # negative control: the tolerance can fail
+    }.items():
         for t in (q, k, v, g, beta, x, w):
             t.grad = None
         out_conv, out_chunk = conv(), chunk()
         (out_conv.square().sum() + out_chunk.square().sum()).backward()
         results[name] = [out_conv, out_chunk] + [t.grad.clone() for t in (q, k, v, g, beta, x, w)]
-    for fla_t, ref_t in zip(results["fla"], results["torch"]):
-        assert rel_diff(fla_t.float(), ref_t.float()) <= RTOL
+    diffs = {n: rel_diff(a, b) for n, a, b in zip(NAMES, results["fla"], results["torch"])}
+    leaks = {n: rel_diff(a, b) for n, a, b in zip(NAMES, results["leaking"], results["torch"])}
+    assert max(diffs.values()) <= RTOL, diffs
+    assert min(leaks.values()) > LEAK_FLOOR, leaks
 
 
 def test_packed_model_on_gpu_matches_per_document(miles_pm, monkeypatch) -> None:
@@ -77,4 +92,4 @@ def test_packed_model_on_gpu_matches_per_document(miles_pm, monkeypatch) -> None
         alone = torch.cat([model(doc).logits for doc in ids.split(LENGTHS, dim=1)], dim=1)
     assert calls, "the packed forward did not use fla"
     assert rel_diff(packed, alone) <= RTOL
-    assert rel_diff(leaked, alone) > 10 * RTOL
+    assert rel_diff(leaked, alone) > LEAK_FLOOR

@@ -76,3 +76,34 @@ def test_batched_generation_with_a_cache_is_unchanged(qwen_pm) -> None:
     out = model.generate(prompts, **settings)
     assert torch.equal(out, unpatched.generate(prompts, **settings))
     assert out.shape == (2, 15)
+
+
+def test_unpacked_cpu_calls_skip_a_triton_kernel_that_transformers_bound() -> None:
+    """With fla installed transformers binds the kernels to Triton whatever the device; an
+    unpacked forward on CPU tensors then goes to the torch implementation under the wrappers."""
+    import functools
+
+    from miles_qwen35.dispatch import CHUNK, _dispatcher
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    torch_kernel = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    triton_calls = []
+
+    @functools.wraps(torch_kernel)
+    def triton_bound(*args, **kwargs):
+        triton_calls.append(kwargs)
+        if not args[0].is_cuda:
+            raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+        return torch_kernel(*args, **kwargs)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 8, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(1, 9, 2, generator=gen), torch.rand(1, 9, 2, generator=gen)
+    dispatch = _dispatcher(CHUNK, triton_bound)
+    out, _ = dispatch(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    expected, _ = torch_kernel(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(out, expected) and not triton_calls
+    # boundaries that transformers passes itself stay with the binding, which refuses or honours them
+    with pytest.raises(ValueError, match="Triton"):
+        dispatch(q, k, v, g=g, beta=beta, cu_seqlens=torch.tensor([0, 4, 9]))
+    assert len(triton_calls) == 1
