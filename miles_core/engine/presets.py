@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.errors import ConfigError
+from miles_core.hardware.gdn import gdn_model_device
 
 RECIPE_VERSION = 2  # 2: the tiny-rl warm-up runs on one thread
 MARKER = "miles_preset.json"
@@ -57,7 +58,7 @@ class ReplyFormatWarmup:
         digits = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(str(d))) for d in range(10)]
         if any(len(d) != 1 for d in digits):
             raise ValueError("reply-format warm-up: the tokenizer does not encode each digit as one token")
-        device = warmup_device()
+        device = gdn_model_device()  # transformers sends GDN layers to fla's GPU-only kernels when fla imports
         inputs = torch.tensor(prompts, device=device)
         digit_ids = torch.tensor([d[0] for d in digits], device=device)
         model.to(device)
@@ -76,17 +77,6 @@ class ReplyFormatWarmup:
         finally:
             torch.set_num_threads(threads)
             model.to("cpu")
-
-
-def warmup_device() -> str:
-    """Where a preset's warm-up trains: the CPU, unless fla is installed next to a GPU.
-
-    transformers then binds Gated DeltaNet's kernels to fla's Triton kernels, which cannot take CPU
-    tensors (see :func:`~miles_core.hardware.gdn.gdn_model_device`).
-    """
-    from miles_core.hardware.gdn import gdn_model_device
-
-    return gdn_model_device()
 
 
 @dataclass(frozen=True)
@@ -111,7 +101,7 @@ class Preset:
             "v": RECIPE_VERSION,
             "preset": asdict(self),
             # a warm-up on the GPU (fla installed) ends in slightly different weights
-            "warmup_device": warmup_device() if self.warmup is not None else None,
+            "warmup_device": gdn_model_device() if self.warmup is not None else None,
             "tokenizer": recipe_digest(),
             # Weight initialisation is only reproducible within one torch/transformers version.
             "torch": metadata.version("torch"),

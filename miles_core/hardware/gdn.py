@@ -11,7 +11,7 @@ def gdn_model_device() -> str:
     With fla importable, transformers routes every Gated DeltaNet forward to fla's Triton kernels,
     which cannot take CPU tensors (seen on the H200: "Pointer argument cannot be accessed from
     Triton"); the GPU is where those kernels run anyway. Self-checks that build a small GDN model
-    (the engine's, the qwen35 patch's example models) put it here.
+    (the engine's, the qwen35 patch's example models) and the presets' warm-up put it here.
     """
     import torch
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_core.patches.base import qualname
+
 #: class-name endings of the modules compiled: norms (plain and gated) and feed-forward blocks
 COMPILED_SUFFIXES = ("RMSNorm", "RMSNormGated", "MLP")
 
@@ -25,5 +27,5 @@ def compile_regions(model: Any, backend: str = "inductor") -> list[str]:
         name = type(module).__name__
         if name.endswith(COMPILED_SUFFIXES):
             module.compile(dynamic=True, backend=backend)
-            compiled.add(f"{type(module).__module__}.{type(module).__qualname__}")
+            compiled.add(qualname(type(module)))
     return sorted(compiled)

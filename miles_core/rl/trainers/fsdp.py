@@ -67,12 +67,14 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> list[str]:
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     blocks = set(getattr(model, "_no_split_modules", None) or ())
-    sharded = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in blocks})
+    sharded: set[str] = set()
     for module in list(model.modules()):
-        if type(module).__name__ in blocks:
+        name = type(module).__name__  # before fully_shard, which swaps in an FSDP subclass
+        if name in blocks:
+            sharded.add(name)
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return sharded
+    return sorted(sharded)
 
 
 class RankGroup:

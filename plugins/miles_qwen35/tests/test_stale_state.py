@@ -6,13 +6,16 @@ forward reused them. Here the context lives for one forward only.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 from miles_qwen35 import torch_varlen
+from miles_qwen35.dispatch import CHUNK, _dispatcher
 from miles_qwen35.patch import is_gated_deltanet
 from miles_qwen35.tiny import tiny_model
+from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import prepare_model
@@ -81,11 +84,6 @@ def test_batched_generation_with_a_cache_is_unchanged(qwen_pm) -> None:
 def test_unpacked_cpu_calls_skip_a_triton_kernel_that_transformers_bound() -> None:
     """With fla installed transformers binds the kernels to Triton whatever the device; an
     unpacked forward on CPU tensors then goes to the torch implementation under the wrappers."""
-    import functools
-
-    from miles_qwen35.dispatch import CHUNK, _dispatcher
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
     torch_kernel = modeling_qwen3_5.torch_chunk_gated_delta_rule
     triton_calls = []
 
