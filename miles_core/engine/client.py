@@ -14,18 +14,16 @@ again).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
-import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-import aiohttp
 import httpx
 
 from miles_core import __version__, strict_json
+from miles_core.engine.http import HTTPPool
 from miles_core.errors import MilesError
 
 #: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
@@ -86,13 +84,12 @@ class EngineClient:
     ``timeout`` bounds each read, write and wait for a pooled connection; ``connect_timeout``
     bounds establishing a connection, which is retried ``connect_retries`` times with exponential
     backoff starting at ``retry_backoff`` seconds. ``headers`` are sent with every request.
-    Connections are spread over ``pool_shards`` pools of at most ``max_connections / pool_shards``
-    connections each, picked by routing key (so a session keeps its connections) or round-robin.
+    At most ``max_connections`` connections are open at once.
 
-    Requests go over aiohttp connection pools: httpx's own (httpcore: pure-Python HTTP, a pool
-    scanned for every request) cost ~1 ms of CPU per engine call, the largest part of what the
-    session server spent on a turn; aiohttp parses HTTP in C and hands out pooled connections in
-    constant time. ``transport`` replaces the network with an httpx transport (tests:
+    Requests go over :class:`~miles_core.engine.http.HTTPPool` (keep-alive connections, HTTP
+    parsed in C by httptools): the per-request Python of httpx (~1 ms of CPU per engine call)
+    and then of aiohttp (~0.4 ms) was the largest part of what the session server spent on a
+    turn. ``transport`` replaces the network with an httpx transport (tests:
     ``httpx.MockTransport``); ``app`` calls an ASGI app of this process directly (an engine
     served in-process, such as :func:`miles_core.engine.server.create_app`): no sockets, no HTTP
     parsing, no hop through a server thread; ``timeout`` then bounds the whole exchange. All
@@ -110,7 +107,6 @@ class EngineClient:
         retry_backoff: float = 0.05,
         headers: Mapping[str, str] | None = None,
         max_connections: int = 1024,
-        pool_shards: int = 16,
         transport: httpx.AsyncBaseTransport | None = None,
         app: ASGIApp | None = None,
     ) -> None:
@@ -122,20 +118,21 @@ class EngineClient:
         self.connect_retries = connect_retries
         self.retry_backoff = retry_backoff
         default_headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
-        self._pools: list[_Pool]
+        self._pool: _Pool
         if app is not None:
-            self._pools = [_AppPool(app, default_headers, timeout)]
+            self._pool = _AppPool(app, self.base_url, default_headers, timeout)
         elif transport is not None:
-            self._pools = [_TransportPool(transport, default_headers, httpx.Timeout(timeout, connect=connect_timeout))]
+            timeouts = httpx.Timeout(timeout, connect=connect_timeout)
+            self._pool = _TransportPool(transport, self.base_url, default_headers, timeouts)
         else:
-            per_shard = max(1, -(-max_connections // pool_shards))
-            tls = httpx.create_ssl_context()  # one for all shards: each costs ~25 ms to build
-            self._pools = [
-                _AiohttpPool(default_headers, timeout, connect_timeout, max_connections=per_shard, tls=tls)
-                for _ in range(max(1, pool_shards))
-            ]
-        self._next_shard = itertools.count()
-        self._chat_url = f"{self.base_url}/v1/chat/completions"
+            self._pool = HTTPPool(
+                self.base_url,
+                headers=default_headers,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+                max_connections=max_connections,
+                keepalive_s=KEEPALIVE_S,
+            )
 
     async def chat_completions(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> dict[str, Any]:
         """``POST /v1/chat/completions``; the reply as a JSON object (not validated further)."""
@@ -148,14 +145,13 @@ class EngineClient:
         """:meth:`chat_completions` for a body already encoded as JSON; the reply as a JSON object
         and as the exact bytes received (what the session server records)."""
         headers = _JSON_BODY if routing_key is None else {**_JSON_BODY, ROUTING_KEY_HEADER: routing_key}
-        received = await self._send("POST", self._chat_url, content=content, headers=headers, shard_key=routing_key)
-        return _json_object(received, self._chat_url), received
+        received = await self._send("POST", _CHAT_PATH, content=content, headers=headers)
+        return _json_object(received, self.base_url + _CHAT_PATH), received
 
     async def health(self) -> dict[str, Any]:
         """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""
-        url = f"{self.base_url}/health"
-        received = await self._send("GET", url)
-        return _json_object(received, url) if received.strip() else {}
+        received = await self._send("GET", "/health")
+        return _json_object(received, f"{self.base_url}/health") if received.strip() else {}
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
         """``POST /update_weights_from_disk`` with SGLang's body; the reply, whose ``success`` is true.
@@ -169,7 +165,7 @@ class EngineClient:
         if weight_version is not None:
             body["weight_version"] = weight_version
         url = f"{self.base_url}/update_weights_from_disk"
-        received = await self._send("POST", url, content=json.dumps(body).encode(), headers=_JSON_BODY)
+        received = await self._send("POST", "/update_weights_from_disk", content=json.dumps(body).encode(), headers=_JSON_BODY)
         reply = _json_object(received, url)
         if reply.get("success") is not True:
             raise EngineProtocolError(f"weight update answered without success: {snippet(received, 256)}", url=url)
@@ -178,15 +174,14 @@ class EngineClient:
     async def weight_version(self) -> str:
         """``GET /get_weight_version``: the version of the weights the engine serves now."""
         url = f"{self.base_url}/get_weight_version"
-        reply = _json_object(await self._send("GET", url), url)
+        reply = _json_object(await self._send("GET", "/get_weight_version"), url)
         version = reply.get("weight_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
             raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=url)
         return str(version)
 
     async def aclose(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+        await self._pool.aclose()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -195,21 +190,14 @@ class EngineClient:
         await self.aclose()
 
     async def _send(
-        self,
-        method: str,
-        url: str,
-        *,
-        content: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        shard_key: str | None = None,
+        self, method: str, path: str, *, content: bytes | None = None, headers: Mapping[str, str] | None = None
     ) -> bytes:
         """The body of a 2xx reply to one request, retried only while it provably never left."""
-        index = hash(shard_key) if shard_key is not None else next(self._next_shard)
-        pool = self._pools[index % len(self._pools)]
+        url = self.base_url + path
         attempt = 0
         while True:
             try:
-                status, received = await pool.exchange(method, url, headers or {}, content)
+                status, received = await self._pool.exchange(method, path, headers or {}, content)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the engine: the only failure that is safe to retry.
@@ -230,70 +218,35 @@ class EngineClient:
 
 
 _JSON_BODY = {"content-type": "application/json"}
+_CHAT_PATH = "/v1/chat/completions"
 
 
 class _Pool(Protocol):
     """Sends one request and reads the whole reply; failures raise httpx's exception types."""
 
     async def exchange(
-        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
     ) -> tuple[int, bytes]: ...
 
     async def aclose(self) -> None: ...
 
 
-class _AiohttpPool:
-    """One aiohttp connection pool, created on the first request inside the event loop using it."""
-
-    def __init__(
-        self, headers: Mapping[str, str], timeout: float, connect_timeout: float, *, max_connections: int, tls: ssl.SSLContext
-    ) -> None:
-        self._headers = dict(headers)
-        # Waiting for a pool slot and connecting are bounded together (aiohttp's "connect"), the
-        # connect itself by connect_timeout; every read by timeout (aiohttp has no write timeout:
-        # a write the engine never reads ends in the read timeout).
-        self._timeout = aiohttp.ClientTimeout(connect=timeout, sock_connect=connect_timeout, sock_read=timeout)
-        self._max_connections = max_connections
-        self._tls = tls
-        self._session: aiohttp.ClientSession | None = None
-
-    async def exchange(
-        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
-    ) -> tuple[int, bytes]:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, ssl=self._tls, keepalive_timeout=KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                headers=self._headers,
-                timeout=self._timeout,
-                skip_auto_headers=("Accept-Encoding",),  # replies are read as sent, never compressed
-                auto_decompress=False,
-            )
-        try:
-            async with self._session.request(method, url, headers=headers, data=content, allow_redirects=False) as reply:
-                return reply.status, await reply.read()
-        except aiohttp.ClientError as exc:
-            raise _as_httpx_error(exc) from exc
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class _TransportPool:
     """An httpx transport in place of the network (``EngineClient(transport=...)``)."""
 
-    def __init__(self, transport: httpx.AsyncBaseTransport, headers: Mapping[str, str], timeout: httpx.Timeout) -> None:
+    def __init__(
+        self, transport: httpx.AsyncBaseTransport, base_url: str, headers: Mapping[str, str], timeout: httpx.Timeout
+    ) -> None:
         self._transport = transport
+        self._base_url = base_url
         self._headers = dict(headers)
         self._timeout = timeout.as_dict()
 
     async def exchange(
-        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
     ) -> tuple[int, bytes]:
         request = httpx.Request(
-            method, url, headers={**self._headers, **headers}, content=content, extensions={"timeout": self._timeout}
+            method, self._base_url + path, headers={**self._headers, **headers}, content=content, extensions={"timeout": self._timeout}
         )
         response = await self._transport.handle_async_request(request)
         return response.status_code, await response.aread()
@@ -309,14 +262,16 @@ class _AppPool:
     ``http.disconnect``). It must need no lifespan startup (the engine's app needs none).
     """
 
-    def __init__(self, app: ASGIApp, headers: Mapping[str, str], timeout: float) -> None:
+    def __init__(self, app: ASGIApp, base_url: str, headers: Mapping[str, str], timeout: float) -> None:
         self._app = app
+        self._base_url = base_url
         self._headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
         self._timeout = timeout
 
     async def exchange(
-        self, method: str, url: str, headers: Mapping[str, str], content: bytes | None
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
     ) -> tuple[int, bytes]:
+        url = self._base_url + path
         try:
             return await asyncio.wait_for(self._call(method, url, headers, content or b""), self._timeout)
         except TimeoutError:  # wait_for cancelled the app: the engine's app aborts the generation
@@ -378,27 +333,6 @@ class _AppPool:
 
     async def aclose(self) -> None:
         return None
-
-
-def _as_httpx_error(exc: aiohttp.ClientError) -> httpx.TransportError:
-    """The httpx exception for an aiohttp failure, chosen by what it proves about the request:
-    only :class:`httpx.ConnectError` and :class:`httpx.ConnectTimeout` mean it never left."""
-    # Subclasses first: a ConnectionTimeoutError is also a ServerTimeoutError, and every
-    # ClientConnectorError is a ClientOSError.
-    kind: type[httpx.TransportError]
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # waiting for a pool slot or a connect
-        kind = httpx.ConnectTimeout
-    elif isinstance(exc, aiohttp.ClientConnectorError):  # refused, unreachable, DNS, TLS handshake
-        kind = httpx.ConnectError
-    elif isinstance(exc, aiohttp.ServerTimeoutError):  # the socket read timed out
-        kind = httpx.ReadTimeout
-    elif isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientResponseError)):
-        kind = httpx.RemoteProtocolError  # closed without a reply, or not valid HTTP
-    elif isinstance(exc, aiohttp.InvalidURL):
-        kind = httpx.UnsupportedProtocol
-    else:  # a reset, a cut-off body: the request may have been served
-        kind = httpx.ReadError
-    return kind(str(exc) or type(exc).__name__)
 
 
 def _json_object(content: bytes, url: str) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class SGLangServer:
 
         async def run() -> T:
             async with EngineClient(
-                self._base_url, timeout=timeout or self.config.request_timeout, connect_retries=connect_retries, pool_shards=1
+                self._base_url, timeout=timeout or self.config.request_timeout, connect_retries=connect_retries
             ) as client:
                 return await request(client)
 

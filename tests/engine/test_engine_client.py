@@ -3,9 +3,7 @@
 import asyncio
 import json
 import socket
-from types import SimpleNamespace
 
-import aiohttp
 import httpx
 import pytest
 
@@ -17,7 +15,6 @@ from miles_core.engine.client import (
     EngineHTTPError,
     EngineProtocolError,
     EngineTimeoutError,
-    _as_httpx_error,
 )
 from miles_core.testing.engine_stub import Fault, FixedReply, StubEngine, chat_reply
 
@@ -159,22 +156,6 @@ def test_against_a_real_socket() -> None:
 
     with pytest.raises(EngineConnectionError, match="after 2 attempt"):
         _run(refused())
-
-
-@pytest.mark.parametrize(
-    ("error", "expected"),
-    [
-        (aiohttp.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
-        (aiohttp.ClientConnectorError(SimpleNamespace(host="h", port=1, ssl=True), ConnectionRefusedError(111, "refused")), httpx.ConnectError),
-        (aiohttp.SocketTimeoutError("read"), httpx.ReadTimeout),
-        (aiohttp.ServerDisconnectedError(), httpx.RemoteProtocolError),
-        (aiohttp.ClientPayloadError("cut off"), httpx.ReadError),
-        (aiohttp.ClientOSError(104, "reset"), httpx.ReadError),
-    ],
-)
-def test_aiohttp_errors_map_to_what_they_prove(error, expected) -> None:
-    """Only failures before the request left become the connect errors the client retries."""
-    assert type(_as_httpx_error(error)) is expected
 
 
 def test_weight_update_and_version_against_the_embedded_engine(tiny_dir, tmp_path) -> None:

@@ -1,0 +1,370 @@
+"""The engine client's HTTP/1.1 pool against scripted loopback servers: what it sends, how it
+frames and reuses connections, and which httpx error each failure becomes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.engine.http import HTTPPool
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+LOOPS: list[Callable[[], asyncio.AbstractEventLoop] | None] = [None]
+try:
+    import uvloop
+
+    LOOPS.append(uvloop.new_event_loop)
+except ImportError:  # uvloop is not installed on Windows
+    pass
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head (without the blank line) and body; ``(b"", b"")`` at EOF."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return b"", b""
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head[:-4], await reader.readexactly(length)
+
+
+class Server:
+    """A loopback server running ``handler`` per connection; counts connections."""
+
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
+        self.handler = handler
+        self.tls = tls
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+
+    async def __aenter__(self) -> Server:
+        async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass  # the client went away: what some tests are about
+            finally:
+                writer.close()
+
+        self._server = await asyncio.start_server(on_connection, "127.0.0.1", 0, ssl=self.tls)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._server.close()
+
+    def replying(self, *replies: bytes) -> Handler:
+        """A keep-alive handler answering successive requests with ``replies`` (the last repeats)."""
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                request = await read_request(reader)
+                if not request[0]:
+                    return
+                self.requests.append(request)
+                writer.write(replies[min(len(self.requests), len(replies)) - 1])
+                await writer.drain()
+
+        return handler
+
+
+def pool(url: str, **kwargs) -> HTTPPool:
+    settings = {"headers": {"user-agent": "test"}, "timeout": 2.0, "connect_timeout": 1.0, "max_connections": 8, "keepalive_s": 60.0}
+    return HTTPPool(url, **{**settings, **kwargs})
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    """On asyncio's loop and on uvloop's (what uvicorn runs the session server on)."""
+    for loop_factory in LOOPS:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_requests_are_exact_and_connections_are_kept_alive() -> None:
+    async def scenario() -> None:
+        server = Server(None)  # type: ignore[arg-type]
+        server.handler = server.replying(OK, b"HTTP/1.1 201 Created\r\ncontent-length: 3\r\n\r\nnew")
+        async with server:
+            client = pool(server.url + "/prefix/", headers={"user-agent": "test", "authorization": "Bearer t"})
+            assert await client.exchange("POST", "/v1/chat", {"x-key": "s1"}, b'{"a":1}') == (200, b"ok")
+            assert await client.exchange("GET", "/health", {}, None) == (201, b"new")
+            await client.aclose()
+        assert server.connections == 1
+        port = server.url.rsplit(":", 1)[1]
+        assert server.requests[0] == (
+            f"POST /prefix/v1/chat HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nuser-agent: test\r\n"
+            f"authorization: Bearer t\r\nx-key: s1\r\ncontent-length: 7".encode(),
+            b'{"a":1}',
+        )
+        assert server.requests[1][0].startswith(b"GET /prefix/health HTTP/1.1\r\n")
+        assert b"content-length" not in server.requests[1][0]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("reply", "reused"),
+    [
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n", True),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nabcde", True),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nabcde", False),
+        (b"HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nabcde", False),
+    ],
+    ids=["chunked", "informational-first", "connection-close", "http-1.0"],
+)
+def test_reply_framing_and_when_a_connection_is_reused(reply: bytes, reused: bool) -> None:
+    async def scenario() -> None:
+        server = Server(None)  # type: ignore[arg-type]
+        server.handler = server.replying(reply)
+        async with server:
+            client = pool(server.url)
+            for _ in range(2):
+                assert await client.exchange("GET", "/", {}, None) == (200, b"abcde")
+            await client.aclose()
+        assert server.connections == (1 if reused else 2)
+
+    run(scenario)
+
+
+def test_a_body_delimited_by_the_connection_end() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            client = pool(server.url)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"until the end")
+            assert await client.exchange("GET", "/", {}, None) == (200, b"until the end")
+            await client.aclose()
+        assert server.connections == 2
+
+    run(scenario)
+
+
+def test_stale_and_closed_idle_connections_are_replaced() -> None:
+    async def close_after_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()  # then the handler returns and the server closes the connection
+
+    async def scenario() -> None:
+        async with Server(close_after_one) as server:
+            client = pool(server.url)
+            for _ in range(3):
+                assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+                await asyncio.sleep(0.05)  # the close reaches the idle connection
+            await client.aclose()
+        assert server.connections == 3
+        server = Server(None)  # type: ignore[arg-type]
+        server.handler = server.replying(OK)
+        async with server:
+            client = pool(server.url, keepalive_s=0.05)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            await asyncio.sleep(0.1)  # idle past keepalive_s: the engine may be closing it
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            await client.aclose()
+        assert server.connections == 2
+
+    run(scenario)
+
+
+def test_unsolicited_bytes_drop_the_idle_connection() -> None:
+    async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await read_request(reader))[0]:
+            writer.write(OK + b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nlate")
+            await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(chatty) as server:
+            client = pool(server.url)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            await asyncio.sleep(0.05)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")  # not b"late"
+            await client.aclose()
+        assert server.connections == 2
+
+    run(scenario)
+
+
+def _answer(reply: bytes, *, then_reset: bool = False) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        if then_reset:  # a zero linger time makes the close a TCP reset
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            await asyncio.sleep(5)
+
+    return handler
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_request(reader)
+    await asyncio.sleep(5)
+
+
+@pytest.mark.parametrize(
+    ("handler", "settings", "error", "message"),
+    [
+        (_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc", then_reset=True), {}, httpx.ReadError, "broke"),
+        (_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc"), {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
+        (_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n" + b"x" * 99), {"max_reply_bytes": 64}, httpx.RemoteProtocolError, "exceeds 64"),
+        (_answer(b"SMTP ready\r\n\r\n"), {}, httpx.RemoteProtocolError, "not valid HTTP"),
+        (_silent, {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
+    ],
+    ids=["reset-mid-body", "stalled-body", "oversized", "not-http", "no-reply"],
+)
+def test_failures_after_sending_raise_what_they_prove(handler, settings, error, message) -> None:
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            client = pool(server.url, **settings)
+            with pytest.raises(error, match=message) as raised:
+                await client.exchange("POST", "/", {}, b"{}")
+            assert not isinstance(raised.value, (httpx.ConnectError, httpx.ConnectTimeout))  # never retried
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_an_early_close_is_a_protocol_error() -> None:
+    async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc")
+        await writer.drain()  # then the server closes the connection
+
+    async def scenario() -> None:
+        async with Server(cut_short) as server:
+            client = pool(server.url)
+            with pytest.raises(httpx.RemoteProtocolError, match="without a complete reply"):
+                await client.exchange("GET", "/", {}, None)
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_the_read_timeout_bounds_each_wait_not_the_whole_reply() -> None:
+    async def dripping(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\n")
+        for byte in b"abcdef":
+            await asyncio.sleep(0.08)
+            writer.write(bytes([byte]))
+            await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(dripping) as server:
+            client = pool(server.url, timeout=0.2)  # the whole reply takes ~0.5 s
+            assert await client.exchange("GET", "/", {}, None) == (200, b"abcdef")
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_connection_failures_are_connect_errors() -> None:
+    async def scenario() -> None:
+        async with Server(_silent) as server:
+            url = server.url
+        with pytest.raises(httpx.ConnectError, match="cannot connect"):
+            await pool(url).exchange("GET", "/", {}, None)
+
+    run(scenario)
+
+
+def test_the_connection_limit_queues_requests_and_bounds_the_wait() -> None:
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await read_request(reader))[0]:
+            await asyncio.sleep(0.1)
+            writer.write(OK)
+            await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(slow) as server:
+            client = pool(server.url, max_connections=1)
+            replies = await asyncio.gather(*(client.exchange("GET", "/", {}, None) for _ in range(3)))
+            assert replies == [(200, b"ok")] * 3 and server.connections == 1
+            client = pool(server.url, max_connections=1, timeout=0.15)
+            first = asyncio.ensure_future(client.exchange("GET", "/", {}, None))
+            await asyncio.sleep(0.01)
+            with pytest.raises(httpx.ConnectTimeout, match="no free connection"):
+                await asyncio.gather(*(client.exchange("GET", "/", {}, None) for _ in range(2)))
+            assert await first == (200, b"ok")
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_a_cancelled_request_closes_its_connection_and_frees_its_slot() -> None:
+    async def scenario() -> None:
+        closed = asyncio.Event()
+
+        async def hang_then_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if server.connections == 1:
+                await read_request(reader)
+                await reader.read()  # returns at EOF: the client closed the connection
+                closed.set()
+                return
+            await server.replying(OK)(reader, writer)
+
+        async with Server(hang_then_answer) as server:
+            client = pool(server.url, max_connections=1)
+            request = asyncio.ensure_future(client.exchange("GET", "/", {}, None))
+            await asyncio.sleep(0.05)
+            request.cancel()
+            await asyncio.wait_for(closed.wait(), 2)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_header_injection_is_refused() -> None:
+    with pytest.raises(ValueError, match="line break"):
+        pool("http://127.0.0.1:1", headers={"x": "a\r\nhost: evil"})
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="line break"):
+            await pool("http://127.0.0.1:1").exchange("GET", "/", {"x-key": "s\n1"}, None)
+
+    run(scenario)
+    with pytest.raises(ValueError, match="http:// or https://"):
+        pool("ftp://engine")
+
+
+def test_tls() -> None:
+    trustme = pytest.importorskip("trustme")
+    authority = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(server_context)
+
+    async def scenario() -> None:
+        server = Server(None, tls=server_context)  # type: ignore[arg-type]
+        server.handler = server.replying(OK)
+        async with server:
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await pool(server.url).exchange("GET", "/", {}, None)  # the system CAs do not know it
+            trusting = ssl.create_default_context()
+            authority.configure_trust(trusting)
+            client = pool(server.url, tls=trusting)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            await client.aclose()
+
+    run(scenario)
