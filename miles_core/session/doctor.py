@@ -13,7 +13,7 @@ from miles_core.plugins import MilesPluginManager
 #: distribution -> module the session server imports on activation
 SERVER_DEPENDENCIES = {
     "uvicorn": "uvicorn",
-    "aiohttp": "aiohttp",
+    "httptools": "httptools",
     "orjson": "orjson",
     "httpx": "httpx",
     "h11": "h11",

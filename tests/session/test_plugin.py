@@ -60,7 +60,7 @@ def test_discovery_and_cli_import_stay_cheap() -> None:
     code = (
         "import sys, miles_core.session.builtin as b, miles_core.session.cli\n"
         "b.miles_session_versions()\n"
-        "heavy = ['torch', 'transformers', 'httpx', 'aiohttp', 'orjson', 'starlette', 'uvicorn', 'pydantic', 'fastapi', 'h11', 'jinja2']\n"
+        "heavy = ['torch', 'transformers', 'httpx', 'httptools', 'orjson', 'starlette', 'uvicorn', 'pydantic', 'fastapi', 'h11', 'jinja2']\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "from miles_core.session import SessionServerConfig, build_app, serve_in_thread\n"
         "print(callable(serve_in_thread) and callable(build_app) and SessionServerConfig.__name__)"
