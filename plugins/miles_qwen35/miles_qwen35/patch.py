@@ -108,10 +108,15 @@ class GatedDeltaNetPackingPatch:
         return probe_layer(layer, PROBE_LENGTHS, PROBE_RTOL)
 
     def example_models(self) -> dict[str, Any]:
-        """A tiny model factory per supported architecture (``miles doctor`` prepares each)."""
+        """A tiny model factory per supported architecture (``miles doctor`` prepares each), on
+        the device Gated DeltaNet kernels run on here (the GPU when fla is installed)."""
         from functools import partial
 
+        from miles_core.hardware.gdn import gdn_model_device
         from miles_qwen35.coverage import gdn_architectures
         from miles_qwen35.tiny import tiny_model
 
-        return {a.name: partial(tiny_model, a.name) for a in gdn_architectures() if a.status == "supported"}
+        device = gdn_model_device()
+        return {
+            a.name: partial(tiny_model, a.name, device=device) for a in gdn_architectures() if a.status == "supported"
+        }

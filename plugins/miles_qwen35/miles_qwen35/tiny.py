@@ -47,15 +47,17 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     return CONFIG_MAPPING[TEXT_MODEL_TYPES[arch]](**{**TINY_CONFIG, **overrides})
 
 
-def tiny_model(arch: str, *, seed: int = 0, **overrides: Any) -> Any:
-    """A float32 ``AutoModelForCausalLM`` of ``arch`` with random weights from ``seed``, on
-    :func:`~miles_core.hardware.gdn.gdn_model_device` (the GPU when fla is installed)."""
+def tiny_model(arch: str, *, seed: int = 0, device: str = "cpu", **overrides: Any) -> Any:
+    """A float32 ``AutoModelForCausalLM`` of ``arch`` with random weights from ``seed``, on ``device``.
+
+    On a machine with fla installed, an unprepared model's Gated DeltaNet layers run fla's Triton
+    kernels, which take CUDA tensors only; ``miles doctor`` builds its examples on
+    :func:`~miles_core.hardware.gdn.gdn_model_device` for that reason.
+    """
     import torch
     from transformers import AutoModelForCausalLM
-
-    from miles_core.hardware.gdn import gdn_model_device
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).float()
-    return model.to(gdn_model_device())
+    return model.to(device)

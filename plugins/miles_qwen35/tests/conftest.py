@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from itertools import pairwise
 from types import SimpleNamespace
@@ -10,6 +11,9 @@ import pytest
 import torch
 from miles_qwen35 import __version__
 from miles_qwen35.coverage import gdn_architectures
+from miles_qwen35.dispatch import forward_owner, patch_class
+from miles_qwen35.patch import is_gated_deltanet
+from miles_qwen35.tiny import tiny_model
 
 from miles_core.patches.packing import packed_position_ids
 from miles_core.plugins import MilesPluginManager
@@ -25,6 +29,21 @@ PAD = 3
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "arch" in metafunc.fixturenames:
         metafunc.parametrize("arch", SUPPORTED)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_forwards_with_fla_installed() -> None:
+    """These tests run tiny models on the CPU. With fla importable (a GPU machine), transformers
+    binds every Gated DeltaNet layer to fla's Triton kernels, which refuse CPU tensors. Patching
+    the classes first -- as the first ``prepare_model`` of a process does anyway -- sends CPU calls
+    to transformers' torch implementation, so the tests run the code they run in CI, whatever
+    order they run in. (``test_gpu_fla.py`` covers the fla kernels.)"""
+    if importlib.util.find_spec("fla") is None:
+        return
+    for arch in SUPPORTED:
+        for module in tiny_model(arch).modules():
+            if is_gated_deltanet(module):
+                patch_class(forward_owner(type(module)))
 
 
 @pytest.fixture(autouse=True)

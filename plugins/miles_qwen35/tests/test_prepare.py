@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from miles_qwen35 import coverage
@@ -81,7 +83,9 @@ def test_a_packed_forward_that_skips_the_kernels_fails_loudly(qwen_pm, monkeypat
     model = tiny_model("qwen3_5")
     prepare_model(model)
     dispatcher = modeling_qwen3_5.torch_chunk_gated_delta_rule
-    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", dispatcher.__miles_gdn_kernel__)
+    # a kernel that is not the dispatcher: transformers' torch implementation (the name's own
+    # binding may be fla's Triton kernel, which would fail on these CPU tensors first)
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", inspect.unwrap(dispatcher.__miles_gdn_kernel__))
     ctx = PackedSequences.from_lengths([3, 5])
     with pytest.raises(PackingError, match="without calling torch_chunk_gated_delta_rule"):
         gdn_of(model)(torch.randn(1, 8, 32), **{PACKING_KWARG: ctx})

@@ -18,6 +18,7 @@ from miles_qwen35.tiny import tiny_model
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.hardware.gdn import gdn_model_device
 from miles_core.patches import prepare_model
 from miles_core.patches.packing import PACKING_KWARG
 
@@ -69,9 +70,12 @@ def test_packed_then_unpacked_then_packed(qwen_pm, docs, spies, arch: str) -> No
 
 @torch.no_grad()
 def test_batched_generation_with_a_cache_is_unchanged(qwen_pm) -> None:
-    model, unpatched = tiny_model("qwen3_5").eval(), tiny_model("qwen3_5").eval()
+    # Decoding with a cache runs kernels this plugin leaves alone (fla's recurrent one where fla
+    # is installed, which takes CUDA tensors only): where the engine would run.
+    device = gdn_model_device()
+    model, unpatched = tiny_model("qwen3_5", device=device).eval(), tiny_model("qwen3_5", device=device).eval()
     prepare_model(model)
-    prompts = torch.randint(2, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    prompts = torch.randint(2, 128, (2, 9), generator=torch.Generator().manual_seed(4)).to(device)
     mask = torch.ones_like(prompts)
     mask[1, :3] = 0  # left padding, as a batched engine does
     prompts[1, :3] = 0
