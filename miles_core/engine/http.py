@@ -30,7 +30,11 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class HTTPPool:
-    """Connections to the origin of ``base_url``; requests name a path under its path prefix."""
+    """Connections to the origin of ``base_url``; requests name a path under its path prefix.
+
+    ``timeout`` bounds each wait for bytes of a reply and the wait for a free connection;
+    ``connect_timeout`` bounds opening one; ``max_connections=0`` sets no limit.
+    """
 
     def __init__(
         self,
