@@ -150,8 +150,9 @@ class EngineClient:
 
     async def health(self) -> dict[str, Any]:
         """``GET /health``: the reply's JSON object, or ``{}`` for an empty 2xx body (SGLang's)."""
-        received = await self._send("GET", "/health")
-        return _json_object(received, f"{self.base_url}/health") if received.strip() else {}
+        path = "/health"
+        received = await self._send("GET", path)
+        return _json_object(received, self.base_url + path) if received.strip() else {}
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
         """``POST /update_weights_from_disk`` with SGLang's body; the reply, whose ``success`` is true.
@@ -164,8 +165,9 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        url = f"{self.base_url}/update_weights_from_disk"
-        received = await self._send("POST", "/update_weights_from_disk", content=json.dumps(body).encode(), headers=_JSON_BODY)
+        path = "/update_weights_from_disk"
+        url = self.base_url + path
+        received = await self._send("POST", path, content=json.dumps(body).encode(), headers=_JSON_BODY)
         reply = _json_object(received, url)
         if reply.get("success") is not True:
             raise EngineProtocolError(f"weight update answered without success: {snippet(received, 256)}", url=url)
@@ -173,8 +175,9 @@ class EngineClient:
 
     async def weight_version(self) -> str:
         """``GET /get_weight_version``: the version of the weights the engine serves now."""
-        url = f"{self.base_url}/get_weight_version"
-        reply = _json_object(await self._send("GET", "/get_weight_version"), url)
+        path = "/get_weight_version"
+        url = self.base_url + path
+        reply = _json_object(await self._send("GET", path), url)
         version = reply.get("weight_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
             raise EngineProtocolError(f"no weight_version in {snippet(json.dumps(reply), 128)}", url=url)

@@ -33,7 +33,7 @@ class HTTPPool:
     """Connections to the origin of ``base_url``; requests name a path under its path prefix.
 
     ``timeout`` bounds each wait for bytes of a reply and the wait for a free connection;
-    ``connect_timeout`` bounds opening one; ``max_connections=0`` sets no limit.
+    ``connect_timeout`` bounds opening one.
     """
 
     def __init__(
@@ -48,6 +48,8 @@ class HTTPPool:
         tls: ssl.SSLContext | None = None,
         max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         parts = urlsplit(base_url)
         if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
             raise ValueError(f"engine URL must be http:// or https:// with a host, got {base_url!r}")
@@ -61,7 +63,7 @@ class HTTPPool:
         self._connect_timeout = connect_timeout
         self._keepalive_s = keepalive_s
         self._max_reply_bytes = max_reply_bytes
-        self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
+        self._slots = asyncio.Semaphore(max_connections)
         self._idle: list[_Connection] = []
         self._open: set[_Connection] = set()
         self._closed = False
@@ -90,14 +92,14 @@ class HTTPPool:
         except BaseException:  # cancelled or failed mid-exchange: the connection's state is unknown
             if connection is not None:
                 self._discard(connection)
-            self._release_slot()
             raise
+        finally:
+            self._slots.release()
         if keep_alive and not self._closed:
             connection.idle_since = time.monotonic()
             self._idle.append(connection)
         else:
             self._discard(connection)
-        self._release_slot()
         return status, body
 
     async def aclose(self) -> None:
@@ -107,8 +109,6 @@ class HTTPPool:
         self._idle.clear()
 
     async def _acquire_slot(self) -> None:
-        if self._slots is None:
-            return
         if not self._slots.locked():
             await self._slots.acquire()  # returns at once: no waiter, a free slot
             return
@@ -116,10 +116,6 @@ class HTTPPool:
             await asyncio.wait_for(self._slots.acquire(), self._timeout)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"no free connection within {self._timeout} s") from None
-
-    def _release_slot(self) -> None:
-        if self._slots is not None:
-            self._slots.release()
 
     def _pop_idle(self) -> _Connection | None:
         while self._idle:
@@ -174,7 +170,6 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._max_reply_bytes = max_reply_bytes
-        self._lost = False
         self._reply: asyncio.Future[tuple[int, bytes, bool]] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timeout = 0.0
@@ -192,7 +187,8 @@ class _Connection(asyncio.Protocol):
     # -- used by the pool ---------------------------------------------------------------------
 
     def usable(self) -> bool:
-        return not self._lost and self._transport is not None and not self._transport.is_closing()
+        """Connected, and neither closed by the engine nor aborted here."""
+        return self._transport is not None and not self._transport.is_closing()
 
     def send(self, request: bytes, timeout: float) -> asyncio.Future[tuple[int, bytes, bool]]:
         """Write ``request``; the future's result is (status, body, keep-alive). ``timeout``
@@ -231,7 +227,6 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError(f"the engine's reply is not valid HTTP/1.1: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
         if self._reply is None:
             return
         if exc is None and self._headers_done and not self._length_known:
@@ -245,7 +240,6 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self._reply is None:  # a second reply in the bytes of the first: see data_received
-            self._lost = True
             self.abort()
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -276,7 +270,7 @@ class _Connection(asyncio.Protocol):
         reply, self._reply = self._reply, None
         self._cancel_timer()
         if reply is not None and not reply.done():
-            reply.set_result((self._status, b"".join(self._chunks), self._keep_alive and not self._lost))
+            reply.set_result((self._status, b"".join(self._chunks), self._keep_alive and self.usable()))
 
     def _fail(self, error: httpx.TransportError) -> None:
         reply, self._reply = self._reply, None

@@ -8,6 +8,7 @@ import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import httpx
 import pytest
@@ -42,10 +43,14 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 
 class Server:
-    """A loopback server running ``handler`` per connection; counts connections."""
+    """A loopback server running ``handler`` per connection (by default :meth:`keep_alive`);
+    counts connections and records the requests :meth:`keep_alive` answered."""
 
-    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
-        self.handler = handler
+    def __init__(
+        self, handler: Handler | None = None, *, replies: tuple[bytes, ...] = (OK,), tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.handler = handler or self.keep_alive
+        self.replies = replies
         self.tls = tls
         self.connections = 0
         self.requests: list[tuple[bytes, bytes]] = []
@@ -68,19 +73,37 @@ class Server:
     async def __aexit__(self, *exc_info: object) -> None:
         self._server.close()
 
-    def replying(self, *replies: bytes) -> Handler:
-        """A keep-alive handler answering successive requests with ``replies`` (the last repeats)."""
+    async def keep_alive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer successive requests with ``replies`` (the last repeats) until the client closes."""
+        while True:
+            request = await read_request(reader)
+            if not request[0]:
+                return
+            self.requests.append(request)
+            writer.write(self.replies[min(len(self.requests), len(self.replies)) - 1])
+            await writer.drain()
 
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                request = await read_request(reader)
-                if not request[0]:
-                    return
-                self.requests.append(request)
-                writer.write(replies[min(len(self.requests), len(replies)) - 1])
-                await writer.drain()
 
-        return handler
+def answer(reply: bytes, *, then: Literal["wait", "close", "reset"] = "wait") -> Handler:
+    """Read one request, write ``reply``, then keep the connection open, close it or reset it."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        if then == "reset":  # a zero linger time makes the close a TCP reset
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        elif then == "wait":
+            await asyncio.sleep(5)
+        # "close": returning lets the server close the connection
+
+    return handler
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_request(reader)
+    await asyncio.sleep(5)
 
 
 def pool(url: str, **kwargs) -> HTTPPool:
@@ -97,9 +120,7 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
 
 def test_requests_are_exact_and_connections_are_kept_alive() -> None:
     async def scenario() -> None:
-        server = Server(None)  # type: ignore[arg-type]
-        server.handler = server.replying(OK, b"HTTP/1.1 201 Created\r\ncontent-length: 3\r\n\r\nnew")
-        async with server:
+        async with Server(replies=(OK, b"HTTP/1.1 201 Created\r\ncontent-length: 3\r\n\r\nnew")) as server:
             client = pool(server.url + "/prefix/", headers={"user-agent": "test", "authorization": "Bearer t"})
             assert await client.exchange("POST", "/v1/chat", {"x-key": "s1"}, b'{"a":1}') == (200, b"ok")
             assert await client.exchange("GET", "/health", {}, None) == (201, b"new")
@@ -129,9 +150,7 @@ def test_requests_are_exact_and_connections_are_kept_alive() -> None:
 )
 def test_reply_framing_and_when_a_connection_is_reused(reply: bytes, reused: bool) -> None:
     async def scenario() -> None:
-        server = Server(None)  # type: ignore[arg-type]
-        server.handler = server.replying(reply)
-        async with server:
+        async with Server(replies=(reply,)) as server:
             client = pool(server.url)
             for _ in range(2):
                 assert await client.exchange("GET", "/", {}, None) == (200, b"abcde")
@@ -142,13 +161,8 @@ def test_reply_framing_and_when_a_connection_is_reused(reply: bytes, reused: boo
 
 
 def test_a_body_delimited_by_the_connection_end() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
-        await writer.drain()
-
     async def scenario() -> None:
-        async with Server(handler) as server:
+        async with Server(answer(b"HTTP/1.1 200 OK\r\n\r\nuntil the end", then="close")) as server:
             client = pool(server.url)
             assert await client.exchange("GET", "/", {}, None) == (200, b"until the end")
             assert await client.exchange("GET", "/", {}, None) == (200, b"until the end")
@@ -159,22 +173,15 @@ def test_a_body_delimited_by_the_connection_end() -> None:
 
 
 def test_stale_and_closed_idle_connections_are_replaced() -> None:
-    async def close_after_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(OK)
-        await writer.drain()  # then the handler returns and the server closes the connection
-
     async def scenario() -> None:
-        async with Server(close_after_one) as server:
+        async with Server(answer(OK, then="close")) as server:
             client = pool(server.url)
             for _ in range(3):
                 assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
                 await asyncio.sleep(0.05)  # the close reaches the idle connection
             await client.aclose()
         assert server.connections == 3
-        server = Server(None)  # type: ignore[arg-type]
-        server.handler = server.replying(OK)
-        async with server:
+        async with Server() as server:
             client = pool(server.url, keepalive_s=0.05)
             assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
             await asyncio.sleep(0.1)  # idle past keepalive_s: the engine may be closing it
@@ -203,32 +210,13 @@ def test_unsolicited_bytes_drop_the_idle_connection() -> None:
     run(scenario)
 
 
-def _answer(reply: bytes, *, then_reset: bool = False) -> Handler:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(reply)
-        await writer.drain()
-        if then_reset:  # a zero linger time makes the close a TCP reset
-            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
-        else:
-            await asyncio.sleep(5)
-
-    return handler
-
-
-async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    await read_request(reader)
-    await asyncio.sleep(5)
-
-
 @pytest.mark.parametrize(
     ("handler", "settings", "error", "message"),
     [
-        (_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc", then_reset=True), {}, httpx.ReadError, "broke"),
-        (_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc"), {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
-        (_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n" + b"x" * 99), {"max_reply_bytes": 64}, httpx.RemoteProtocolError, "exceeds 64"),
-        (_answer(b"SMTP ready\r\n\r\n"), {}, httpx.RemoteProtocolError, "not valid HTTP"),
+        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc", then="reset"), {}, httpx.ReadError, "broke"),
+        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc"), {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
+        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n" + b"x" * 99), {"max_reply_bytes": 64}, httpx.RemoteProtocolError, "exceeds 64"),
+        (answer(b"SMTP ready\r\n\r\n"), {}, httpx.RemoteProtocolError, "not valid HTTP"),
         (_silent, {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
     ],
     ids=["reset-mid-body", "stalled-body", "oversized", "not-http", "no-reply"],
@@ -246,13 +234,8 @@ def test_failures_after_sending_raise_what_they_prove(handler, settings, error, 
 
 
 def test_an_early_close_is_a_protocol_error() -> None:
-    async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc")
-        await writer.drain()  # then the server closes the connection
-
     async def scenario() -> None:
-        async with Server(cut_short) as server:
+        async with Server(answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc", then="close")) as server:
             client = pool(server.url)
             with pytest.raises(httpx.RemoteProtocolError, match="without a complete reply"):
                 await client.exchange("GET", "/", {}, None)
@@ -322,7 +305,7 @@ def test_a_cancelled_request_closes_its_connection_and_frees_its_slot() -> None:
                 await reader.read()  # returns at EOF: the client closed the connection
                 closed.set()
                 return
-            await server.replying(OK)(reader, writer)
+            await server.keep_alive(reader, writer)
 
         async with Server(hang_then_answer) as server:
             client = pool(server.url, max_connections=1)
@@ -349,6 +332,11 @@ def test_header_injection_is_refused() -> None:
         pool("ftp://engine")
 
 
+def test_a_pool_without_connections_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_connections must be >= 1, got 0"):
+        pool("http://127.0.0.1:1", max_connections=0)
+
+
 def test_tls() -> None:
     trustme = pytest.importorskip("trustme")
     authority = trustme.CA()
@@ -356,9 +344,7 @@ def test_tls() -> None:
     authority.issue_cert("127.0.0.1").configure_cert(server_context)
 
     async def scenario() -> None:
-        server = Server(None, tls=server_context)  # type: ignore[arg-type]
-        server.handler = server.replying(OK)
-        async with server:
+        async with Server(tls=server_context) as server:
             with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 await pool(server.url).exchange("GET", "/", {}, None)  # the system CAs do not know it
             trusting = ssl.create_default_context()
