@@ -11,8 +11,7 @@ import pytest
 import torch
 from miles_qwen35 import __version__
 from miles_qwen35.coverage import gdn_architectures
-from miles_qwen35.dispatch import forward_owner, patch_class
-from miles_qwen35.patch import is_gated_deltanet
+from miles_qwen35.patch import GatedDeltaNetPackingPatch
 from miles_qwen35.tiny import tiny_model
 
 from miles_core.patches.packing import packed_position_ids
@@ -41,9 +40,7 @@ def cpu_forwards_with_fla_installed() -> None:
     if importlib.util.find_spec("fla") is None:
         return
     for arch in SUPPORTED:
-        for module in tiny_model(arch).modules():
-            if is_gated_deltanet(module):
-                patch_class(forward_owner(type(module)))
+        GatedDeltaNetPackingPatch().apply(tiny_model(arch))  # patches the classes of a throwaway model
 
 
 @pytest.fixture(autouse=True)
