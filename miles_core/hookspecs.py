@@ -72,7 +72,8 @@ def miles_model_patches() -> Sequence[Any]:
     Returns: a list of patch objects. For each one whose ``matches(config)`` is true for the built
     model, the core calls ``apply(model)`` and then ``verify(model)``, which must fail if any
     matched class of the *instantiated* model lacks the patch, and runs its numeric ``probe``.
-    Before that it runs ``check_environment()`` once per process (a problem breaks the plugin),
+    Before that it runs ``check_environment()`` once per process, the first time the patch matches a
+    model or finds its targets in one (a problem breaks the plugin),
     checks the declared kernel ``requires``, and refuses a patch that declines a model containing
     its ``targets(model)``. The full protocol is :class:`miles_core.patches.base.ModelPatch`.
     """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from miles_core.hardware.base import (
@@ -23,10 +23,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ActiveHardware:
-    """The selected, applied and verified backend of this process."""
+    """The selected, applied and verified backend of this process.
+
+    ``fixes`` are those applied at activation; :meth:`prepare` adds a library's fixes to
+    :attr:`prepared` on its first use.
+    """
 
     selection: Selection
     fixes: tuple[FixReport, ...]
+    pm: MilesPluginManager = field(repr=False, compare=False)
+    prepared: dict[str, tuple[FixReport, ...]] = field(default_factory=dict, compare=False)
 
     @property
     def backend(self) -> HardwareBackend:
@@ -58,12 +64,30 @@ class ActiveHardware:
     def supports(self, capability: str) -> bool:
         return self.backend.supports(capability)
 
+    def prepare(self, library: str) -> tuple[FixReport, ...]:
+        """Apply and verify the fixes ``library`` needs here, once per process (see
+        :meth:`HardwareBackend.prepare`); call it right before the library's first use.
+
+        Fails closed like activation: an :class:`~miles_core.errors.ActivationError` names the
+        backend's plugin and the cause.
+        """
+        with _lock:
+            if library not in self.prepared:
+                self.prepared[library] = tuple(
+                    self.pm.verify(self.selection.contribution, self.backend.prepare, library)
+                )
+            return self.prepared[library]
+
+    def all_fixes(self) -> tuple[FixReport, ...]:
+        """Activation's fixes, then those of every library prepared so far."""
+        return self.fixes + tuple(f for fixes in self.prepared.values() for f in fixes)
+
     def fix(self, name: str) -> FixReport:
-        """The report of the fix called ``name`` (``KeyError`` if the backend has none)."""
-        for report in self.fixes:
+        """The report of the fix called ``name`` (``KeyError`` if none was applied)."""
+        for report in self.all_fixes():
             if report.name == name:
                 return report
-        raise KeyError(f"hardware backend {self.name!r} has no fix named {name!r}")
+        raise KeyError(f"hardware backend {self.name!r} has applied no fix named {name!r}")
 
     def to_dict(self) -> dict[str, Any]:
         plugin = self.selection.contribution.plugin
@@ -80,7 +104,8 @@ class ActiveHardware:
             "visible_devices_env": self.backend.visible_devices_env,
             "capabilities": sorted(self.backend.capabilities),
             "checkpoint_io": {"d2h_copy": self.checkpoint_io.d2h_copy, "reason": self.checkpoint_io.reason},
-            "fixes": {f.name: {"status": f.status, "detail": f.detail} for f in self.fixes},
+            "fixes": {f.name: {"status": f.status, "detail": f.detail} for f in self.all_fixes()},
+            "prepared_libraries": sorted(self.prepared),
             "worker_env": {role: self.worker_env(role) for role in WORKER_ROLES},
             "ci_hardware": self.backend.ci_hardware,
         }
@@ -93,7 +118,7 @@ class _Cached:
     hardware: ActiveHardware
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _cached: _Cached | None = None
 
 
@@ -127,7 +152,7 @@ def activate(pm: MilesPluginManager | None = None) -> ActiveHardware:
             return fixes
 
         fixes = pm.verify(selection.contribution, establish)
-        hardware = ActiveHardware(selection, fixes)
+        hardware = ActiveHardware(selection, fixes, pm)
         _cached = _Cached(pm, override, hardware)
         return hardware
 

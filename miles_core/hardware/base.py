@@ -31,6 +31,11 @@ ENV_OVERRIDE = "MILES_HARDWARE"
 #: kinds of Ray worker a backend prepares an environment for
 WORKER_ROLES: tuple[str, ...] = ("train", "rollout")
 
+#: libraries a backend may have to fix before their first use (:meth:`HardwareBackend.prepare`).
+#: They are prepared by the code about to use them, not at activation: a job that never uses one
+#: never imports it (megatron-core alone takes seconds to import).
+LIBRARIES: tuple[str, ...] = ("megatron",)
+
 #: every capability a backend may claim, with what claiming it promises
 CAPABILITIES: Mapping[str, str] = MappingProxyType(
     {
@@ -108,8 +113,18 @@ class HardwareBackend(abc.ABC):
         """Apply the backend's environment fixes (idempotent). The default has none."""
         return []
 
+    def prepare(self, library: str) -> list[FixReport]:
+        """Make ``library`` (one of :data:`LIBRARIES`) work on this platform before its first use.
+
+        Applies the library's fixes (idempotent) and proves them in effect, raising if they are
+        not. Called through :meth:`miles_core.hardware.ActiveHardware.prepare` by the code about
+        to use the library, never at activation. The default needs none.
+        """
+        check_library(library)
+        return []
+
     def revert(self) -> None:  # noqa: B027 (optional: a backend without fixes has nothing to undo)
-        """Undo :meth:`apply` (used when another backend is activated, and by tests)."""
+        """Undo :meth:`apply` and every :meth:`prepare` (used when another backend is activated, and by tests)."""
 
     def verify(self) -> None:
         """Raise if the backend's declarations or its environment are inconsistent.
@@ -145,6 +160,11 @@ class HardwareBackend(abc.ABC):
                 f"unknown hardware capability {capability!r}; known: {', '.join(sorted(CAPABILITIES))}"
             )
         return capability in self.capabilities
+
+
+def check_library(library: str) -> None:
+    if library not in LIBRARIES:
+        raise ConfigError(f"unknown library {library!r} to prepare; known: {', '.join(LIBRARIES)}")
 
 
 def torch_build() -> str:

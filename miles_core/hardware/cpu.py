@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_core.hardware.base import CheckpointIOPolicy, Detection, FixReport, HardwareBackend, torch_build
+from miles_core.hardware.base import (
+    CheckpointIOPolicy,
+    Detection,
+    FixReport,
+    HardwareBackend,
+    check_library,
+    torch_build,
+)
 
 if TYPE_CHECKING:
     from miles_core.hardware.megatron_cpu import MegatronCpuFixes
@@ -33,16 +40,20 @@ class CpuBackend(HardwareBackend):
     def device_count(self) -> int:
         return 1
 
-    def apply(self) -> list[FixReport]:
-        return [self._megatron_fixes().apply()]
+    def prepare(self, library: str) -> list[FixReport]:
+        check_library(library)
+        fixes = self._megatron_fixes()
+        report = fixes.apply()
+        try:
+            fixes.verify()
+        except BaseException:
+            fixes.revert()
+            raise
+        return [report]
 
     def revert(self) -> None:
         if self._megatron is not None:
             self._megatron.revert()
-
-    def verify(self) -> None:
-        super().verify()
-        self._megatron_fixes().verify()
 
     def _megatron_fixes(self) -> MegatronCpuFixes:
         if self._megatron is None:  # imported here: plugin discovery must not pay for it

@@ -5,6 +5,7 @@ from __future__ import annotations
 from miles_core.doctor import CheckResult
 from miles_core.errors import MilesError
 from miles_core.hardware.activation import activate
+from miles_core.hardware.base import LIBRARIES
 from miles_core.plugins import ENV_DENY, MilesPluginManager
 
 CONCERN = "hardware"
@@ -20,6 +21,12 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
         return [CheckResult(CONCERN, "backend", "fail", str(exc))]
     selection = hardware.selection
     plugin = selection.contribution.plugin.name
+    unprepared = []
+    for library in LIBRARIES:  # doctor checks every library's fixes, as a job using it would
+        try:
+            hardware.prepare(library)
+        except MilesError as exc:
+            unprepared.append(CheckResult(CONCERN, f"prepare {library}", "fail", str(exc), plugin=plugin))
     results = [
         CheckResult(
             CONCERN,
@@ -30,7 +37,8 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
             data=hardware.to_dict(),
         )
     ]
-    for fix in hardware.fixes:
+    results += unprepared
+    for fix in hardware.all_fixes():
         results.append(
             CheckResult(
                 CONCERN,

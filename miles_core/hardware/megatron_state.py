@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 def single_rank_parallel_state(
     seed: int = 1234, hardware: ActiveHardware | None = None
 ) -> Iterator[ActiveHardware]:
-    """Initialise ``torch.distributed`` (if needed) and megatron's ``parallel_state`` at world
-    size 1 with the backend's collective library (gloo on CPU), seed torch and megatron's RNG
+    """Prepare megatron-core on the active backend (its fixes, e.g. the cpu backend's), initialise
+    ``torch.distributed`` (if needed) and megatron's ``parallel_state`` at world size 1 with the
+    backend's collective library (gloo on CPU), seed torch and megatron's RNG
     tracker, and tear all of it down on exit.
 
     An already initialised ``torch.distributed`` of world size 1 is used and left running; an
@@ -36,10 +37,12 @@ def single_rank_parallel_state(
     """
     import torch
     import torch.distributed as dist
+
+    hw = hardware if hardware is not None else activate()
+    hw.prepare("megatron")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    hw = hardware if hardware is not None else activate()
     if parallel_state.model_parallel_is_initialized():
         raise MilesError("megatron's parallel_state is already initialised in this process")
     owns_process_group = not dist.is_initialized()

@@ -48,17 +48,20 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
     needs_scope = False
     for contribution in pm.active_contributions("patches"):
         patch: ModelPatch = contribution.obj
-        _check_environment(pm, contribution)
         targets = _attributed(contribution, patch.targets, model)
-        if not patch.matches(config):
-            if targets:
-                raise contribution.error(
-                    f"matches() declined {type(model).__name__} (model_type "
-                    f"{getattr(config, 'model_type', None)!r}) but the model contains its targets "
-                    f"{sorted({qualname(t) for t in targets})}",
-                )
+        matched = patch.matches(config)
+        if not matched and not targets:
+            # the patch has nothing to do with this model: its environment check (which may import
+            # the library it patches, e.g. megatron-core) waits for a model it acts on
             not_matched.append(contribution.name)
             continue
+        _check_environment(pm, contribution)
+        if not matched:
+            raise contribution.error(
+                f"matches() declined {type(model).__name__} (model_type "
+                f"{getattr(config, 'model_type', None)!r}) but the model contains its targets "
+                f"{sorted({qualname(t) for t in targets})}",
+            )
         kernels, kernel_warnings = _check_kernels(contribution, device_types)
         applied = _attributed(contribution, patch.apply, model)
         needs_scope = needs_scope or bool(getattr(patch, "uses_packing_context", False))

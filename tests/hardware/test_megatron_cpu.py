@@ -8,7 +8,9 @@ import torch
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ActivationError, MilesError
 from miles_core.hardware import activate, reset
+from miles_core.hardware.base import FixReport
 from miles_core.hardware.cpu import CpuBackend
+from miles_core.hardware.megatron_cpu import MegatronCpuFixes
 from miles_core.hardware.megatron_state import causal_attention_mask, single_rank_parallel_state
 
 pytest.importorskip("megatron.core")
@@ -65,6 +67,9 @@ def train_step(seed: int, mtp_num_layers: int | None = None) -> tuple[float, GPT
 def test_tiny_gpt_model_trains_on_cpu_through_the_backend(miles_pm_factory, mtp_num_layers) -> None:
     hardware = activate(miles_pm_factory(builtins=True))
     assert hardware.name == "cpu"
+    with pytest.raises(KeyError):  # activation alone leaves megatron alone: a job must prepare it
+        hardware.fix("megatron-cpu")
+    hardware.prepare("megatron")
     assert hardware.fix("megatron-cpu").status == "applied"
 
     loss, model = train_step(seed=3, mtp_num_layers=mtp_num_layers)
@@ -80,7 +85,7 @@ def test_tiny_gpt_model_trains_on_cpu_through_the_backend(miles_pm_factory, mtp_
 
 
 def test_without_the_fixes_megatron_cannot_run_on_cpu(miles_pm_factory) -> None:
-    activate(miles_pm_factory(builtins=True))
+    activate(miles_pm_factory(builtins=True)).prepare("megatron")
     reset()  # reverts the fixes: the negative control
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         GlobalMemoryBuffer().get_tensor((2,), torch.float32, "probe")
@@ -89,26 +94,34 @@ def test_without_the_fixes_megatron_cannot_run_on_cpu(miles_pm_factory) -> None:
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         torch.cuda.synchronize()
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
-        CpuBackend().verify()
+        MegatronCpuFixes().verify()
 
 
 def test_verification_notices_a_fix_undone_behind_its_back(miles_pm_factory, monkeypatch) -> None:
     megatrons_fork = megatron_random.CudaRNGStatesTracker.__dict__["fork"]
-    pm = miles_pm_factory(builtins=True)
-    hardware = activate(pm)
+    activate(miles_pm_factory(builtins=True)).prepare("megatron")
+    MegatronCpuFixes().verify()  # verification observes behaviour, whoever applied the fixes
     with monkeypatch.context() as patch:
         patch.setattr(megatron_random.CudaRNGStatesTracker, "fork", megatrons_fork)
-        with pytest.raises(
-            ActivationError,
-            match=r"'core-hardware' \(miles .*\): hardware 'cpu' failed verification: AssertionError: Torch not compiled with CUDA",
-        ):
-            pm.verify(hardware.selection.contribution, hardware.backend.verify)
+        with pytest.raises(AssertionError, match="Torch not compiled with CUDA"):
+            MegatronCpuFixes().verify()
+
+
+def test_a_fix_that_does_not_take_fails_preparation_naming_the_plugin(miles_pm_factory, monkeypatch) -> None:
+    monkeypatch.setattr(MegatronCpuFixes, "apply", lambda self: FixReport("megatron-cpu", "applied", "did nothing"))
+    hardware = activate(miles_pm_factory(builtins=True))
+    with pytest.raises(
+        ActivationError,
+        match=r"'core-hardware' \(miles .*\): hardware 'cpu' failed verification: AssertionError: Torch not compiled with CUDA",
+    ):
+        hardware.prepare("megatron")
+    assert "megatron" not in hardware.prepared
 
 
 def test_fixes_are_not_needed_without_megatron(monkeypatch) -> None:
     monkeypatch.setattr("miles_core.hardware.megatron_cpu.megatron_installed", lambda: False)
     backend = CpuBackend()
-    assert [(r.name, r.status) for r in backend.apply()] == [("megatron-cpu", "not-needed")]
+    assert [(r.name, r.status) for r in backend.prepare("megatron")] == [("megatron-cpu", "not-needed")]
     with pytest.raises(AssertionError):
         torch.cuda.current_device()
 

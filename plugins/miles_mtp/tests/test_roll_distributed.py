@@ -35,7 +35,7 @@ def _worker(rank: int, port: int) -> None:
 
     from miles_core.hardware import activate
 
-    activate()  # the cpu backend: megatron's CP roll allocates on torch.cuda.current_device()
+    activate().prepare("megatron")  # on the cpu backend megatron's CP roll allocates on torch.cuda.current_device()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=CP)
     try:
         group = dist.group.WORLD

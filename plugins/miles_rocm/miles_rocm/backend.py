@@ -1,7 +1,8 @@
 """The rocm backend: AMD GPUs through a HIP build of torch.
 
-Importing this module stays cheap; torch and megatron-core are imported when the backend is
-detected or activated.
+Importing this module stays cheap; torch is imported when the backend is detected, megatron-core
+only when a job prepares it (``activate().prepare("megatron")``), which installs the async-checkpoint
+guard.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from miles_core.hardware.base import (
     Detection,
     FixReport,
     HardwareBackend,
+    check_library,
     parse_visible_devices,
     torch_build,
 )
@@ -75,12 +77,19 @@ class RocmBackend(HardwareBackend):
             defaults.update(ROLLOUT_DEFAULTS)
         return {var: os.environ.get(var, value) for var, value in defaults.items()}
 
-    def apply(self) -> list[FixReport]:
-        if self._guard is None:
-            from miles_rocm.checkpoint import CheckpointGuard
+    def prepare(self, library: str) -> list[FixReport]:
+        check_library(library)
+        from miles_rocm.checkpoint import CheckpointGuard, verify_guard
 
+        if self._guard is None:
             self._guard = CheckpointGuard()
-        return [self._guard.install()]
+        report = self._guard.install()
+        try:
+            verify_guard()
+        except BaseException:
+            self._guard.remove()
+            raise
+        return [report]
 
     def revert(self) -> None:
         if self._guard is not None:
@@ -89,9 +98,6 @@ class RocmBackend(HardwareBackend):
     def verify(self) -> None:
         super().verify()
         _check_visible_devices(os.environ)
-        from miles_rocm.checkpoint import verify_guard
-
-        verify_guard()
 
 
 def _check_visible_devices(environ: Mapping[str, str]) -> None:

@@ -6,14 +6,14 @@ through pinned host memory, and on ROCm a process forked after such a copy segfa
 Megatron-LM (radixark's fork since #74) forces blocking copies itself when ``torch.version.hip``
 is set; megatron-core 0.16.1 from PyPI does not.
 
-At activation the guard asks the installed megatron-core, by behaviour, whether it already copies
-blocking under HIP (:func:`observe_copy_mode`, under a simulated HIP build when this torch is
+When megatron-core is prepared (``activate().prepare("megatron")``), the guard asks the installed
+megatron-core, by behaviour, whether it already copies blocking under HIP (:func:`observe_copy_mode`, under a simulated HIP build when this torch is
 not one). Only if it does not, the guard wraps ``preload_tensors`` *on the class itself*, so the
 class seen through every module that names it carries the guard, whatever the import order.
 :func:`verify_guard` then observes the copy mode through each module path in
 :data:`WRITER_PATHS`.
 
-This module imports torch; import it only when the ROCm backend is activated.
+This module imports torch and megatron-core; import it only when megatron is prepared.
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ def test_override_selects_rocm_on_this_cpu_machine(pm, monkeypatch) -> None:
     hardware = activate(pm)
     assert (hardware.name, hardware.selection.selected_by) == ("rocm", "override")
     assert "is not a HIP build" in hardware.selection.reason
+    hardware.prepare("megatron")
     assert hardware.fix("checkpoint-guard").status in ("upstream", "fallback")
 
 

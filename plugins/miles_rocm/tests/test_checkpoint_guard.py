@@ -45,12 +45,29 @@ def hip_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.4.43484")
 
 
+def with_megatron(hardware):
+    """The guard is megatron's fix: it is installed when a job prepares megatron-core."""
+    hardware.prepare("megatron")
+    return hardware
+
+
 @pytest.fixture
 def rocm(miles_pm_factory, monkeypatch):
-    """Activate the ROCm backend (by override: this machine has no AMD GPU)."""
+    """Activate the ROCm backend (by override: this machine has no AMD GPU) and prepare megatron."""
     monkeypatch.setenv("MILES_HARDWARE", "rocm")
     pm = miles_pm_factory(plugins=[("miles-rocm", miles_rocm.plugin)], builtins=True)
-    return lambda: activate(pm)
+    return lambda: with_megatron(activate(pm))
+
+
+def test_activation_alone_leaves_megatron_unguarded(hip_build, miles_pm_factory, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+    monkeypatch.setenv("MILES_HARDWARE", "rocm")
+    hardware = activate(miles_pm_factory(plugins=[("miles-rocm", miles_rocm.plugin)], builtins=True))
+    with pytest.raises(KeyError, match="checkpoint-guard"):
+        hardware.fix("checkpoint-guard")
+    assert not is_guarded(Writer)
+    with_megatron(hardware)
+    assert is_guarded(Writer) and hardware.fix("checkpoint-guard").status == "fallback"
 
 
 def modes_through_both_paths() -> list[str]:
@@ -142,7 +159,7 @@ def test_reactivation_does_not_wrap_twice(hip_build, rocm, miles_pm_factory, mon
     monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
     rocm()
     other = miles_pm_factory(plugins=[("miles-rocm", miles_rocm.plugin)], builtins=True)
-    assert activate(other).fix("checkpoint-guard").status == "fallback"
+    assert with_megatron(activate(other)).fix("checkpoint-guard").status == "fallback"
     assert Writer.preload_tensors.__wrapped__ is not_fixed_preload
 
 

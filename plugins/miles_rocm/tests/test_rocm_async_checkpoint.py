@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 def test_async_checkpoint_save_and_fork_on_rocm(tmp_path: Path, async_checkpoint_roundtrip) -> None:
     hardware = activate()
     assert hardware.name == "rocm", hardware.selection.reason
+    hardware.prepare("megatron")
     assert hardware.fix("checkpoint-guard").status in ("upstream", "fallback")
     torch.cuda.set_device(0)
     copies = async_checkpoint_roundtrip(tmp_path / "ckpt", hardware.device)
