@@ -34,11 +34,13 @@ __all__ = [
 ]
 
 
-def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bool = True) -> PrepareReport:
+def prepare_model(
+    model: Any, *, pm: MilesPluginManager | None = None, probe: bool = True, packed: bool = False
+) -> PrepareReport:
     """Apply, verify and probe every matching patch on ``model``; see :mod:`miles_core.patches.prepare`."""
     from miles_core.patches.prepare import prepare_model as _prepare_model
 
-    return _prepare_model(model, pm=pm, probe=probe)
+    return _prepare_model(model, pm=pm, probe=probe, packed=packed)
 
 
 def __getattr__(name: str) -> Any:

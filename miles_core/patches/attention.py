@@ -10,7 +10,8 @@ with transformers' attention and mask interfaces. Outside a packed forward it *i
 same function, the same mask). Inside one (a :class:`~miles_core.patches.packing.PackedSequences`
 is current and describes this layer's ``[B, T]``) the mask is skipped and each document runs causal
 attention alone: one variable-length flash kernel on CUDA in half precision where torch has one
-(``torch.nn.attention.varlen``), otherwise causal ``scaled_dot_product_attention`` per document.
+(``torch.nn.attention.varlen``), otherwise causal ``scaled_dot_product_attention`` per document
+(one call per distinct document length).
 The document boundaries are the packing context's, which follow transformers' own rule for packed
 masks, so the result equals the masked path up to kernel rounding.
 """
@@ -134,18 +135,39 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 def _per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedSequences, scale: float, dropout: float
 ) -> torch.Tensor:
-    heads = q.shape[1]
+    """Causal attention within each document, one ``scaled_dot_product_attention`` call per distinct
+    document length: documents of equal length are gathered into one batch (an RL step packs
+    hundreds of same-length completions into a row, which would otherwise be as many calls)."""
+    heads, head_dim = q.shape[1], q.shape[2]
     k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
     bounds = ctx.cu_seqlens_cpu.tolist()
-    outs = []
+    by_length: dict[int, list[int]] = {}
     for start, end in itertools.pairwise(bounds):
-        # [n, H, D] -> [1, H, n, D]
-        qd, kd, vd = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        by_length.setdefault(end - start, []).append(start)
+    if len(by_length) == len(bounds) - 1:  # every length distinct: plain slices, no gather
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            qd, kd, vd = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
+            )
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
+    pieces, positions = [], []
+    for length, starts in by_length.items():
+        index = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).view(-1).to(q.device)
+        # [n * length, H, D] -> [n, H, length, D]
+        qd, kd, vd = (t.index_select(0, index).view(len(starts), length, heads, head_dim).transpose(1, 2)
+                      for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
             qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
         )
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
+        pieces.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
+        positions.append(index)
+    order = torch.cat(positions)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(pieces).index_select(0, inverse)
 
 
 VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedSequences, float], torch.Tensor]

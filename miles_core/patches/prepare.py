@@ -27,7 +27,9 @@ T = TypeVar("T")
 _environment_ok: weakref.WeakKeyDictionary[MilesPluginManager, set[str]] = weakref.WeakKeyDictionary()
 
 
-def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bool = True) -> PrepareReport:
+def prepare_model(
+    model: Any, *, pm: MilesPluginManager | None = None, probe: bool = True, packed: bool = False
+) -> PrepareReport:
     """Apply every patch whose ``matches(model.config)`` holds, verify it on ``model`` and probe it.
 
     When an applied patch reads the packing context (``uses_packing_context``), also installs the
@@ -35,7 +37,9 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
     layer, and switches ``sdpa`` attention to per-document packed attention
     (:mod:`miles_core.patches.attention`). Idempotent: preparing a model twice re-verifies it. Records each
     applied patch in the plugin fingerprint. ``probe=False`` skips the numeric probes (for models
-    whose modules cannot run on their own, e.g. already sharded).
+    whose modules cannot run on their own, e.g. already sharded). ``packed=True`` (a trainer about to
+    run packed rows) installs the scope and the per-document attention whatever the patches: attention
+    then costs per document instead of ``T^2`` over the whole row.
     """
     from miles_core.patches.attention import use_packed_attention
     from miles_core.patches.scope import has_packing_scope, install_packing_scope
@@ -86,7 +90,7 @@ def prepare_model(model: Any, *, pm: MilesPluginManager | None = None, probe: bo
             "patch %s applied to %s: %s", contribution.name, qualname(type(model)), ", ".join(applied.classes)
         )
     packed_attention = False
-    if needs_scope:
+    if needs_scope or packed:
         install_packing_scope(model)
         packed_attention = use_packed_attention(model)
     return PrepareReport(

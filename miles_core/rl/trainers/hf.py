@@ -49,7 +49,7 @@ class HFPolicy:
         self.device = device
         self.dp = dp
         self.model = load_causal_lm(self.model_dir, config.model.dtype, device)
-        patch_report = prepare_model(self.model)
+        patch_report = prepare_model(self.model, packed=config.trainer.packing)
         applied = getattr(patch_report, "applied", None)
         leak = check_packing_safe(self.model, packing=config.trainer.packing, applied=applied)
         if config.trainer.gradient_checkpointing:

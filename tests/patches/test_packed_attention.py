@@ -1,0 +1,88 @@
+"""Per-document packed attention: documents of equal length are batched into one kernel call, and
+the result equals each document attended alone (forward and gradients), in any length mix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.patches import attention
+from miles_core.patches.packing import PackedSequences
+
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each document alone through causal sdpa (``[n, H, D]`` slices)."""
+    outs, start = [], 0
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    for n in lengths:
+        qd, kd, vd = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.3)[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[5] * 40, [5, 6, 5, 6, 6, 1, 5, 1], [3, 9, 4], [17]],
+    ids=["one-length", "mixed-repeats", "all-distinct", "single"],
+)
+def test_grouped_documents_equal_each_document_alone(lengths: list[int]) -> None:
+    generator = torch.Generator().manual_seed(len(lengths))
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, DIM, generator=generator, requires_grad=True)
+    k = torch.randn(total, KV_HEADS, DIM, generator=generator, requires_grad=True)
+    v = torch.randn(total, KV_HEADS, DIM, generator=generator, requires_grad=True)
+    weight = torch.randn(total, HEADS, DIM, generator=generator)
+
+    grouped = attention._per_document(q, k, v, PackedSequences.from_lengths(lengths), 0.3, 0.0)
+    grads = torch.autograd.grad((grouped * weight).sum(), (q, k, v))
+    expected = reference(q, k, v, lengths)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), (q, k, v))
+
+    # the same fp32 kernel on the same rows: only its batching differs
+    torch.testing.assert_close(grouped, expected, rtol=0, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_equal_lengths_take_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a[0].shape) or sdpa(*a, **kw))
+    lengths = [5] * 30 + [6] * 10
+    q = torch.randn(sum(lengths), HEADS, DIM)
+    kv = torch.randn(sum(lengths), KV_HEADS, DIM)
+    attention._per_document(q, kv, kv, PackedSequences.from_lengths(lengths), 0.3, 0.0)
+    assert sorted(calls) == [torch.Size([10, HEADS, 6, DIM]), torch.Size([30, HEADS, 5, DIM])]
+
+
+def test_a_model_prepared_for_packed_training_attends_per_document(tmp_path, miles_pm_factory, monkeypatch) -> None:
+    """No patch needs the packing context on this Llama model: ``packed=True`` installs it anyway,
+    so a packed row costs per document instead of a dense ``[T, T]`` mask, with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_core.assets.char_model import write_char_model
+    from miles_core.patches import prepare_model
+
+    model = AutoModelForCausalLM.from_pretrained(write_char_model(tmp_path / "model", 0)).eval()
+    pm = miles_pm_factory(builtins=True)
+    assert not prepare_model(model, pm=pm).packed_attention  # the negative control: HF's dense mask
+    report = prepare_model(model, pm=pm, packed=True)
+    assert report.packed_attention and report.packing_scope
+
+    calls = []
+    original = attention._per_document
+    monkeypatch.setattr(attention, "_per_document", lambda *a: calls.append(a[3].lengths()) or original(*a))
+    lengths = [4, 4, 6, 4]
+    ids = torch.randint(3, 14, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        packed = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=doc[None], use_cache=False).logits[0] for doc in ids.split(lengths)])
+    assert calls and calls[0] == lengths
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
