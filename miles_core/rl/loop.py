@@ -27,7 +27,7 @@ from miles_core.fileio import write_json_atomic
 from miles_core.rl.checkpoint import (
     LoopState,
     check_resumable,
-    list_checkpoints,
+    latest_valid,
     read_state,
     restore_rng,
     save_checkpoint,
@@ -167,13 +167,14 @@ def _checkpoint(config: TrainConfig, runtime: Any, sampler: PromptSampler, step:
 
 
 def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
-    checkpoints = list_checkpoints(out_dir)
-    if not checkpoints:
+    """The checkpoint to resume from, validated before anything is built."""
+    checkpoint = latest_valid(out_dir)
+    if checkpoint is None:
         if (out_dir / "metrics.jsonl").exists():
             raise ConfigError(f"--resume: {out_dir} has metrics but no complete checkpoint to resume from")
         return None
-    check_resumable(read_state(checkpoints[-1]).config, config.to_dict())
-    return checkpoints[-1]
+    check_resumable(read_state(checkpoint).config, config.to_dict())
+    return checkpoint
 
 
 def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Path | None, started: float) -> RunResult:

@@ -154,16 +154,3 @@ def test_two_gpu_ranks_update_like_one_gpu() -> None:
         assert stats_2[key] == pytest.approx(stats_1[key], rel=1e-3, abs=1e-5), key
     diff = torch.cat([(weights_2[k] - weights_1[k]).abs().flatten() for k in weights_1])
     assert diff.mean().item() <= 1e-5, diff.max()
-
-
-def test_an_index_keyed_optimizer_checkpoint_still_loads_in_one_process(tmp_path) -> None:
-    trainer = _trainer(1)
-    trainer.train(_docs(5))
-    trainer.save(tmp_path / "ckpt")
-    expected = trainer.policy.optimizer.state_dict()
-    torch.save(expected, tmp_path / "ckpt" / "optimizer.pt")  # the format of checkpoints before names
-    fresh = _trainer(1)
-    fresh.load(tmp_path / "ckpt")
-    loaded = fresh.policy.optimizer.state_dict()
-    assert loaded["state"].keys() == expected["state"].keys()
-    assert all(torch.equal(loaded["state"][i]["exp_avg"], expected["state"][i]["exp_avg"]) for i in expected["state"])

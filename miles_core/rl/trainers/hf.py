@@ -18,6 +18,7 @@ import torch
 from miles_core.rl.algorithms import PackedRow, TrainDocument
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.policy_update import DataParallel, UpdateSettings, policy_update
+from miles_core.rl.tensor_tree import load_tree, save_tree
 from miles_core.rl.trainers.compile import compile_regions
 from miles_core.rl.trainers.fsdp import RankGroup, init_rank, rank_device, shard_model
 from miles_core.rl.trainers.packing_guard import check_packing_safe
@@ -114,7 +115,7 @@ class HFPolicy:
         for name in TOKENIZER_FILES:
             if (self.model_dir / name).exists():
                 shutil.copy2(self.model_dir / name, directory / "model" / name)
-        torch.save(optimizer_state, directory / "optimizer.pt")
+        save_tree(directory / "optimizer", optimizer_state)
 
     def _optimizer_state(self) -> dict[str, Any]:
         """The whole optimizer state keyed by parameter name, so any world size can load it."""
@@ -139,18 +140,9 @@ class HFPolicy:
         missing, unexpected = expected - set(state) - tied, set(state) - expected
         if unexpected or missing:
             raise RuntimeError(f"checkpoint {directory}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
+        optimizer_state = load_tree(directory / "optimizer")
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, state, options=options)
-        if all(isinstance(key, int) for key in optimizer_state.get("state", {})):
-            # written by optimizer.state_dict() (parameter indices, one process) before names were used
-            if self.dp is not None:
-                raise RuntimeError(
-                    f"checkpoint {directory}: its optimizer state is keyed by parameter index (an older "
-                    "single-process checkpoint); resume it with trainer.world_size = 1"
-                )
-            self.optimizer.load_state_dict(optimizer_state)
-            return
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
 
 

@@ -31,6 +31,7 @@ from miles_core.errors import ConfigError
 from miles_core.rl.algorithms import PackedRow, TrainDocument
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.policy_update import UpdateSettings, policy_update
+from miles_core.rl.tensor_tree import load_tree, save_tree
 from miles_core.rl.trainers.hf import DTYPES, TOKENIZER_FILES
 
 SUPPORTED = ("llama",)
@@ -221,16 +222,17 @@ class MegatronTrainer:
         for name in TOKENIZER_FILES:
             if (self.model_dir / name).exists():
                 shutil.copy2(self.model_dir / name, target / name)
-        torch.save({"optimizer": self.optimizer.state_dict(),
-                    "mtp": {k: v for k, v in self.model.state_dict().items() if k.startswith("mtp.")}},
-                   directory / "optimizer.pt")
+        save_tree(directory / "optimizer", {
+            "optimizer": self.optimizer.state_dict(),
+            "mtp": {k: v for k, v in self.model.state_dict().items() if k.startswith("mtp.")},
+        })
         (directory / "megatron.json").write_text(json.dumps(self.report))
 
     def load(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
         self._load_hf(load_file(directory / "model" / "model.safetensors"))
-        saved = torch.load(directory / "optimizer.pt", weights_only=False)
+        saved = load_tree(directory / "optimizer")
         with torch.no_grad():
             own = self.model.state_dict()
             for name, tensor in saved["mtp"].items():
