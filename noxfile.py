@@ -21,6 +21,8 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 PLUGINS = ["miles_rocm", "miles_e2b", "miles_qwen35", "miles_mtp"]
+#: a plugin's own optional extra its tests exercise (the rocm checkpoint guard protects megatron-core)
+PLUGIN_TEST_EXTRAS = {"miles_rocm": "[megatron]"}
 ALL_LOCAL = ["-e", ".[dev,engine,megatron]", *[arg for p in PLUGINS for arg in ("-e", f"plugins/{p}")]]
 
 
@@ -81,13 +83,14 @@ def _run_side_by_side(session: nox.Session, commands: list[list[str]]) -> None:
 def plugin(session: nox.Session, name: str) -> None:
     """One plugin's tests with only the core and that plugin (and its declared deps) installed."""
     session.install(TORCH)
-    session.install("-e", ".[dev]", "-e", f"plugins/{name}")
+    session.install("-e", ".[dev]", "-e", f"plugins/{name}{PLUGIN_TEST_EXTRAS.get(name, '')}")
     session.run("pytest", f"plugins/{name}/tests", *session.posargs)
 
 
 @nox.session
 def packaging(session: nox.Session) -> None:
-    """Build every wheel, install ``miles[rocm,e2b]`` from them into a fresh venv, check the plugins."""
+    """Build every wheel, install ``miles[rocm,e2b]`` from them into a fresh venv, check the plugins;
+    then ``miles[train]`` runs the main job there, and ``miles`` alone stays small and says what it lacks."""
     session.install("build>=1.2")
     with tempfile.TemporaryDirectory(prefix="miles-packaging-") as tmp:
         wheels = Path(tmp) / "wheels"
@@ -121,3 +124,45 @@ def packaging(session: nox.Session) -> None:
         if broken:
             session.error(f"plugins not ok after install: {broken}")
         session.log(f"installed plugins verified: {third_party}")
+        _check_train_extra(session, venv, wheels, Path(tmp))
+        _check_core_alone(session, wheels, Path(tmp) / "core-venv")
+
+
+def _check_train_extra(session: nox.Session, venv: Path, wheels: Path, tmp: Path) -> None:
+    """``pip install "miles[train]"`` (torch already there) runs the README's main job."""
+    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--find-links", str(wheels),
+                "miles[train]", external=True)
+    session.run(str(venv / "bin" / "miles"), "train", "--preset", "tiny", "--set", "run.steps=2", "--no-progress",
+                "--out", str(tmp / "train-run"), external=True, env={"MILES_CACHE_DIR": str(tmp / "cache")})
+
+
+#: what `pip install miles` may add to a fresh venv's site-packages (README: the core stays small)
+CORE_SITE_PACKAGES_MB = 30
+
+
+def _check_core_alone(session: nox.Session, wheels: Path, venv: Path) -> None:
+    """``pip install miles`` alone: small, lists its plugins, and ``miles train`` names what it lacks."""
+    session.run("python", "-m", "venv", str(venv))
+    python = str(venv / "bin" / "python")
+    site = Path(session.run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                            external=True, silent=True).strip())
+    before = _tree_bytes(site)
+    session.run(python, "-m", "pip", "install", "-q", "--find-links", str(wheels), "miles", external=True)
+    added_mb = (_tree_bytes(site) - before) / 2**20
+    if added_mb > CORE_SITE_PACKAGES_MB:
+        session.error(f"pip install miles added {added_mb:.1f} MB to site-packages (limit {CORE_SITE_PACKAGES_MB})")
+    listing = json.loads(session.run(str(venv / "bin" / "miles"), "plugins", "list", "--json",
+                                     external=True, silent=True))
+    not_ok = [p["name"] for p in listing["plugins"] if p["status"] != "ok"]
+    if not_ok:
+        session.error(f"core-only install: plugins not ok: {not_ok}")
+    proc = subprocess.run([str(venv / "bin" / "miles"), "train", "--preset", "tiny"], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    if proc.returncode != 2 or len(lines) != 1 or "pip install" not in lines[0]:
+        session.error(f"core-only `miles train` should fail in one line naming what to install; "
+                      f"exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}")
+    session.log(f"core alone: {added_mb:.1f} MB, plugins ok, `miles train`: {lines[0]}")
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

@@ -69,8 +69,15 @@ class MilesGroup(click.Group):
 def cli() -> None:
     """miles: RL post-training for LLMs, a minimal core plus installable plugins.
 
-    Environment: MILES_PLUGINS (allow list), MILES_DISABLE_PLUGINS (deny list),
-    MILES_PLUGIN_ERRORS=raise (fail on the first plugin error), MILES_HARDWARE (backend override).
+    \b
+    Environment:
+      MILES_PLUGINS=a,b            only these third-party plugins load (allow list)
+      MILES_DISABLE_PLUGINS=a,b    these plugins never load, built-ins included (deny list)
+      MILES_PLUGIN_ERRORS=raise    fail on the first plugin import, hook or verification error
+      MILES_HARDWARE=name          select this hardware backend instead of detecting one
+      MILES_CACHE_DIR=dir          cache of built model presets and the entry-point scan
+                                   (default ~/.cache/miles)
+      MILES_NO_ENTRY_POINT_CACHE=1 rescan installed distributions on every start
     """
 
 
@@ -89,4 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     except MilesError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except ModuleNotFoundError as exc:
+        from miles_core.extras import MissingExtraError, missing_module_message
+
+        advice = missing_module_message(exc)
+        if advice is None:
+            raise
+        click.echo(f"error: {advice}", err=True)
+        sys.exit(MissingExtraError.exit_code)
     sys.exit(0)

@@ -66,6 +66,7 @@ def train(
     Qwen3.5 model learns to answer "n+1=", rollouts go through the session server, answers are
     checked in the local sandbox.
     """
+    from miles_core.extras import require
     from miles_core.rl.config import load_config
 
     quiet_libraries()
@@ -86,6 +87,11 @@ def train(
         return
     if as_json:
         config = config.model_copy(update={"run": config.run.model_copy(update={"progress": False})})
+    require("train", "miles train")
+    if config.trainer.backend == "megatron":
+        require("megatron", "trainer.backend = 'megatron'")
+    if config.orchestrator.kind == "ray":
+        require("ray", "orchestrator.kind = 'ray'")
 
     from miles_core.plugins import get_plugin_manager
     from miles_core.rl.orchestrators import run_training

@@ -79,6 +79,10 @@ class RocmBackend(HardwareBackend):
 
     def prepare(self, library: str) -> list[FixReport]:
         check_library(library)
+        from miles_core.hardware.megatron_cpu import megatron_installed
+
+        if not megatron_installed():
+            return [FixReport("checkpoint-guard", "not-needed", "megatron-core is not installed")]
         from miles_rocm.checkpoint import CheckpointGuard, verify_guard
 
         if self._guard is None:
