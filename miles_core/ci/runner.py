@@ -1,9 +1,11 @@
 """Run a shard's test files: one pytest process per file, in its own process group.
 
-Each file gets ``max(timeout_base, 1.25 * est_time)`` seconds; when it runs over, the whole
-process group (pytest and every child it started) is killed. Stray children a finished file
-leaves in its group are killed too, so nothing outlives its file. A file that ends in a failure
-class its hardware kind declares retriable is run again, up to ``max_attempts`` times.
+Each file runs under a supervisor (:mod:`miles_core.ci.proctree`) that kills every process the
+file started when pytest exits -- including children that left its process group and session
+with ``setsid`` -- so nothing outlives its file. Each file gets ``max(timeout_base, 1.25 *
+est_time)`` seconds; when it runs over, the supervisor is told to stop and kills the whole tree.
+A file that ends in a failure class its hardware kind declares retriable is run again, up to
+``max_attempts`` times.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_core.ci.base import CIHardware, Registration
+from miles_core.ci.proctree import supervised
 from miles_core.ci.selection import Selection
 from miles_core.ci.sharding import ShardPlan
 
@@ -94,11 +97,26 @@ def file_timeout(est_time: float, base: float) -> float:
     return max(base, 1.25 * est_time)
 
 
+#: how long a stopped supervisor may take to kill its tree before it is killed itself
+STOP_GRACE_S = 15.0
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # the group is already empty
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Ask the supervisor to kill the tree and exit; kill its process group if it does not."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.wait()
 
 
 def run_pytest_file(
@@ -109,8 +127,8 @@ def run_pytest_file(
     junit_path: Path,
     stdout: int | None = None,
 ) -> tuple[int | None, float, bool]:
-    """Run pytest on one file in a new session; return (exit code, seconds, timed out)."""
-    command = [sys.executable, "-m", "pytest", path, *pytest_args, f"--junitxml={junit_path}"]
+    """Run pytest on one file under the supervisor; return (exit code, seconds, timed out)."""
+    command = supervised([sys.executable, "-m", "pytest", path, *pytest_args, f"--junitxml={junit_path}"])
     started = time.monotonic()
     process = subprocess.Popen(command, cwd=root, start_new_session=True, stdout=stdout)
     timed_out = False
@@ -118,13 +136,10 @@ def run_pytest_file(
         returncode: int | None = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(process.pid)
-        process.wait()
         returncode = None
     finally:
+        _stop(process)  # a no-op once the supervisor has exited (the tree is gone by then)
         _kill_group(process.pid)
-        if process.poll() is None:
-            process.wait()
     return returncode, time.monotonic() - started, timed_out
 
 

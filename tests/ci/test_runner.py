@@ -3,6 +3,8 @@ limited to the hardware's retriable classes, exit codes, JUnit and drift reporti
 
 from __future__ import annotations
 
+import os
+import signal
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from miles_core.ci.runner import RunReport, run_files
 from miles_core.ci.selection import resolve_labels, select
 from miles_core.ci.sharding import plan_shards
 
-register_cpu_ci(est_time=22, suite="stage-a-cpu")
+register_cpu_ci(est_time=30, suite="stage-a-cpu")
 
 # The files these tests run use neither plugin; hypothesis' pytest plugin alone costs seconds per
 # process where bytecode caching is off (PYTHONDONTWRITEBYTECODE), so the child runs skip it.
@@ -115,6 +117,55 @@ def test_timeout_kills_the_file_and_its_children(tree, tmp_path) -> None:
     assert report.exit_code == 1
     child = int(pid_file.read_text())
     assert not _alive(child), "the test's child process outlived the timeout"
+
+
+DETACHING = r"""
+import os, subprocess, sys, time
+
+DAEMON = (
+    "import os, sys, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    open(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\n"
+    "    time.sleep(300)\n"
+)
+
+
+def test_detach():
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # setsid
+    open(PIDS, "a").write(f"{child.pid}\n")
+    # a double fork: the middle process exits, the grandchild leaves the session with setsid
+    subprocess.run([sys.executable, "-c", DAEMON, PIDS], check=True)
+    deadline = time.monotonic() + 20
+    while len(open(PIDS).read().split()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if HANG:
+        time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["finished", "timed-out"])
+def test_processes_that_leave_the_session_are_killed(tree, tmp_path, hang) -> None:
+    pids = tmp_path / "pids"
+    tree.test_file(
+        "tests/test_detach.py", 'register_cpu_ci(1, "integration")', f"PIDS = {str(pids)!r}\nHANG = {hang}\n" + DETACHING
+    )
+    report = run_files(
+        _report(tree.catalog(), "integration"),
+        CPU,
+        root=tree.root,
+        timeout_base=8,
+        max_attempts=1,
+        pytest_args=LEAN,
+        announce=lambda line: None,
+    )
+    assert report.results[0].status == ("timeout" if hang else "passed")
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2
+    survivors = [pid for pid in started if _alive(pid)]
+    for pid in survivors:  # leave nothing behind if the assertion fails
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == [], "a process that called setsid outlived its test file"
 
 
 def test_retries_only_failure_classes_the_hardware_declares(tree, tmp_path) -> None:
