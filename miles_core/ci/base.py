@@ -109,6 +109,8 @@ class Registration:
     issue: str | None = None
     num_gpus: int | None = None
     layout: Mapping[str, int] | None = None
+    #: ``NUM_GPUS = <int>`` at module level of the file, with its line
+    declared_gpus: tuple[int, int] | None = None
     est_span: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property

@@ -9,16 +9,29 @@ fails its own verification) exits 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 from miles_core.ci.base import CIHardware, HardwareSettings, Registration, Suite
 from miles_core.ci.config import CIConfig, closest, joined, load_config, settings_for
-from miles_core.ci.discovery import Marker, discover, find_test_files
+from miles_core.ci.discovery import GPU_COUNT_NAME, Marker, discover, find_test_files
 from miles_core.ci.layout import ParallelLayout
 from miles_core.errors import ConfigError
 from miles_core.plugins import Contribution, MilesPluginManager, get_plugin_manager
+
+#: ``stage-c-4-gpu-mi350``: a suite name that states a GPU count must mean it
+SUITE_GPUS_RE = re.compile(r"(?:^|-)(\d+)-gpus?(?:-|$)")
+
+
+@dataclass(frozen=True)
+class CatalogWarning:
+    """Something that wastes or hides work without being wrong: ``suite`` is None when it is
+    about the whole tree."""
+
+    suite: str | None
+    message: str
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,7 @@ class Catalog:
     labels: dict[str, str]
     files: tuple[str, ...]
     registrations: tuple[Registration, ...]
+    warnings: tuple[CatalogWarning, ...] = ()
 
     @property
     def root(self) -> Path:
@@ -57,6 +71,18 @@ class Catalog:
 
     def in_suite(self, suite: str) -> list[Registration]:
         return [r for r in self.registrations if r.suite == suite]
+
+    def runnable(self, suite: str) -> list[Registration]:
+        """The registrations of ``suite`` that can run at all: enabled, in an enabled stage."""
+        return [r for r in self.in_suite(suite) if r.enabled] if self.suites[suite].enabled else []
+
+    def shards(self, suite: str) -> int:
+        """Shards a stage really runs: its configured count, but never more than it has files
+        (0 for a stage with nothing to run, which gets no job)."""
+        return min(self.suites[suite].shards, len(self.runnable(suite)))
+
+    def warnings_for(self, suite: str | None) -> list[str]:
+        return [w.message for w in self.warnings if suite is None or w.suite in (None, suite)]
 
 
 def load_catalog(
@@ -91,9 +117,17 @@ def load_catalog(
         problems.extend(
             f"{reg.location}: {p}" for p in _registration_problems(reg, kinds[reg.hardware], by_name, labels)
         )
+    untracked = [f"stage {s.name} ({s.source})" for s in suites if s.disabled and not s.issue] + [
+        r.location for r in registrations if r.disabled and not r.issue
+    ]
+    if config.disabled_needs_issue:
+        problems.extend(
+            f"{where}: disabled without issue= (disabled-needs-issue = true: name the tracking issue)"
+            for where in untracked
+        )
     if problems:
         raise ConfigError(joined(problems))
-    return Catalog(
+    catalog = Catalog(
         config=config,
         kinds=kinds,
         providers=providers,
@@ -102,6 +136,37 @@ def load_catalog(
         files=tuple(files),
         registrations=tuple(registrations),
     )
+    notes = [CatalogWarning(*w) for w in _shard_warnings(catalog)]
+    if untracked:
+        notes.append(
+            CatalogWarning(
+                None,
+                f"{len(untracked)} disabled entr{'y has' if len(untracked) == 1 else 'ies have'} no tracking "
+                f"issue (add issue=...): {', '.join(untracked)}",
+            )
+        )
+    return replace(catalog, warnings=tuple(notes))
+
+
+def _shard_warnings(catalog: Catalog) -> list[tuple[str, str]]:
+    out = []
+    for suite in catalog.suites.values():
+        if not suite.enabled:
+            continue
+        files = len(catalog.runnable(suite.name))
+        if files == 0:
+            out.append(
+                (suite.name, f"suite {suite.name} has no enabled test files: no job is generated for it")
+            )
+        elif files < suite.shards:
+            out.append(
+                (
+                    suite.name,
+                    f"suite {suite.name} declares shards = {suite.shards} but has {files} enabled file(s): "
+                    f"{files} shard(s) run (set shards = {files} in {suite.source or 'the suites file'})",
+                )
+            )
+    return out
 
 
 def _activate_kinds(pm: MilesPluginManager) -> tuple[dict[str, CIHardware], dict[str, str]]:
@@ -146,6 +211,11 @@ def _suite_problems(
             )
         else:
             problems.extend(f"{where}: {p}" for p in kind.check_suite(suite))
+            named = SUITE_GPUS_RE.search(suite.name)
+            if kind.uses_gpus and named and int(named.group(1)) != suite.gpus:
+                problems.append(
+                    f"{where}: the name says {named.group(1)} GPUs per runner but gpus = {suite.gpus}"
+                )
             if kind.self_hosted and "self-hosted" not in suite.runs_on:
                 problems.append(
                     f"{where}: {kind.name} runners are self-hosted; runs-on must include 'self-hosted'"
@@ -201,6 +271,16 @@ def _registration_problems(
                 else f"; no {kind.name} suite has {reg.num_gpus} GPUs per runner"
             )
         )
+    if kind.uses_gpus and reg.num_gpus is None and reg.declared_gpus is not None:
+        count, line = reg.declared_gpus
+        if count != suite.gpus:
+            matching = [s.name for s in suites.values() if s.hardware == kind.name and s.gpus == count]
+            problems.append(
+                f"the file declares {GPU_COUNT_NAME} = {count} (line {line}) but suite {suite.name} has "
+                f"{suite.gpus} GPUs per runner: register it on a {count}-GPU suite"
+                + (f" ({', '.join(matching)})" if matching else "")
+                + f", or pass num_gpus={suite.gpus} with the layout of a {suite.gpus}-GPU variant"
+            )
     if reg.layout is not None:
         try:
             layout = ParallelLayout.from_mapping(reg.layout)

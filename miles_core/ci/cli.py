@@ -53,6 +53,18 @@ def _catalog(root: Path | None, config: Path | None) -> Catalog:
     return load_catalog(Path(root), Path(config) if config else None)
 
 
+def _suite_and_hardware(catalog: Catalog, hardware: str | None, suite: str | None) -> tuple[str, str]:
+    """The suite to work on and its hardware: ``--hw`` may be left out (the suite fixes it)."""
+    if hardware is not None:
+        catalog.kind(hardware)
+    if suite is None:
+        known = [s for s in catalog.suites.values() if hardware in (None, s.hardware)]
+        choices = ", ".join(f"{s.name} ({s.hardware})" for s in known) or "none"
+        raise ConfigError(f"missing option --suite (the suite fixes --hw); suites: {choices}")
+    found = catalog.suite(suite, hardware)
+    return found.hardware, found.name
+
+
 def _partition(value: str) -> tuple[int, int]:
     index, slash, count = value.partition("/")
     if not slash or not index.strip().isdigit() or not count.strip().isdigit():
@@ -134,10 +146,13 @@ def _selection(
 
 @ci.command("plan")
 @_tree_options
-@click.option("--hw", "hardware", required=True, help="Hardware kind of the suite.")
-@click.option("--suite", required=True, help="Suite to plan.")
+@click.option("--hw", "hardware", default=None, help="Hardware kind of the suite (default: the suite's).")
+@click.option("--suite", default=None, help="Suite to plan (required).")
 @click.option(
-    "--partitions", type=click.IntRange(min=1), default=None, help="Number of shards (default: the suite's)."
+    "--partitions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Number of shards (default: the shards the stage runs, min(shards, files)).",
 )
 @_labels_option
 @_pr_labels_option
@@ -146,8 +161,8 @@ def _selection(
 def plan_command(
     root: Path | None,
     config: Path | None,
-    hardware: str,
-    suite: str,
+    hardware: str | None,
+    suite: str | None,
     partitions: int | None,
     labels: tuple[str, ...],
     pr_labels: str | None,
@@ -156,11 +171,13 @@ def plan_command(
 ) -> None:
     """Show the assignment of files to shards, their loads and makespan / lower bound,
     next to plain longest-first greedy."""
+    from miles_core.ci.selection import disabled_reason
     from miles_core.ci.sharding import greedy_shards, plan_shards
 
     catalog = _catalog(root, config)
+    hardware, suite = _suite_and_hardware(catalog, hardware, suite)
     selection = _selection(catalog, hardware, suite, labels, pr_labels, cadence)
-    count = partitions or selection.suite.shards
+    count = partitions or max(1, catalog.shards(suite))
     items = [(r.path, r.est_time) for r in selection.selected]
     plan, greedy = plan_shards(items, count), greedy_shards(items, count)
     est = {r.path: r.est_time for r in selection.selected}
@@ -174,11 +191,18 @@ def plan_command(
         "makespan": plan.makespan,
         "lower_bound": plan.lower_bound,
         "ratio": plan.ratio,
+        "optimal": plan.optimal,
         "greedy": {"makespan": greedy.makespan, "ratio": greedy.ratio},
         "selected": len(items),
+        "shards": {"configured": selection.suite.shards, "run": catalog.shards(suite)},
         "not_selected": [{"path": r.path, "why": why} for r, why in selection.not_selected],
-        "disabled": [{"path": r.path, "line": r.line} for r in selection.disabled],
+        "disabled": [
+            dict(zip(("reason", "issue"), disabled_reason(r, selection.suite), strict=True))
+            | {"path": r.path, "line": r.line}
+            for r in selection.disabled
+        ],
         "stage_disabled": selection.suite.disabled,
+        "warnings": [*catalog.warnings_for(suite), *selection.warnings],
     }
     if as_json:
         emit_json(data)
@@ -193,18 +217,26 @@ def plan_command(
         for file in part["files"]:
             click.echo(f"  {file['path']}  {file['est_time']:g} s")
     click.echo(
-        f"makespan {plan.makespan:g} s, lower bound {plan.lower_bound:g} s, ratio {plan.ratio:.3f} "
-        f"(longest-first greedy: {greedy.makespan:g} s, ratio {greedy.ratio:.3f})"
+        f"makespan {plan.makespan:g} s, lower bound {plan.lower_bound:g} s, ratio {plan.ratio:.3f}"
+        + (" (optimal)" if plan.optimal else "")
+        + f" (longest-first greedy: {greedy.makespan:g} s, ratio {greedy.ratio:.3f})"
     )
     for line in disabled_lines(selection):
         click.echo(line)
+    for warning in data["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @ci.command("run", context_settings={"help_option_names": ["-h", "--help"]})
 @_tree_options
-@click.option("--hw", "hardware", required=True, help="Hardware kind of the suite.")
-@click.option("--suite", required=True, help="Suite to run.")
-@click.option("--partition", default="0/1", show_default=True, help="Run shard I of N (0-based), e.g. 1/4.")
+@click.option("--hw", "hardware", default=None, help="Hardware kind of the suite (default: the suite's).")
+@click.option("--suite", default=None, help="Suite to run (required).")
+@click.option(
+    "--partition",
+    default="0/1",
+    show_default=True,
+    help="Run shard I of N (0-based), e.g. 1/4; N is 1 (the whole suite) or the shards the stage runs.",
+)
 @_labels_option
 @_pr_labels_option
 @_cadence_option
@@ -240,8 +272,8 @@ def plan_command(
 def run_command(
     root: Path | None,
     config: Path | None,
-    hardware: str,
-    suite: str,
+    hardware: str | None,
+    suite: str | None,
     partition: str,
     labels: tuple[str, ...],
     pr_labels: str | None,
@@ -270,6 +302,15 @@ def run_command(
         )
     index, count = _partition(partition)
     catalog = _catalog(root, config)
+    hardware, suite = _suite_and_hardware(catalog, hardware, suite)
+    shards = catalog.shards(suite)
+    if count not in (1, shards):
+        configured = catalog.suites[suite].shards
+        raise ConfigError(
+            f"--partition {partition}: suite {suite} runs {shards} shard(s) "
+            f"(min(shards = {configured}, {len(catalog.runnable(suite))} file(s))): "
+            f"use I/{shards}, or 0/1 for the whole suite"
+        )
     selection = _selection(catalog, hardware, suite, labels, pr_labels, cadence)
     by_path = {r.path: r for r in selection.selected}
     plan = plan_shards([(r.path, r.est_time) for r in selection.selected], count)

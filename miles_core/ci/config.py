@@ -45,6 +45,8 @@ TOP_KEYS = (
     "nightly-cron",
     "workflows-dir",
     "secrets",
+    "default-branch",
+    "disabled-needs-issue",
     "labels",
     "hardware",
     "suites",
@@ -64,6 +66,7 @@ SUITE_KEYS = (
     "issue",
 )
 SECRET_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+BRANCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ class CIConfig:
     nightly_cron: str = "0 15 * * *"
     workflows_dir: str = ".github/workflows"
     secrets: tuple[str, ...] = ()
+    #: the branch whose workflow files are trusted: pushes to it run every stage, and only its
+    #: reusable workflows may take self-hosted runners
+    default_branch: str = "main"
+    #: every disabled registration or stage must name its tracking issue (else: a warning)
+    disabled_needs_issue: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     hardware: dict[str, dict[str, Any]] = field(default_factory=dict)
     hardware_sources: dict[str, str] = field(default_factory=dict)
@@ -247,6 +255,8 @@ class _Parser:
             nightly_cron=cron or "0 15 * * *",
             workflows_dir=self._str(data, "workflows-dir", (), ".github/workflows") or ".github/workflows",
             secrets=self._secrets(data),
+            default_branch=self._branch(data),
+            disabled_needs_issue=self._bool(data, "disabled-needs-issue", (), False),
             labels=labels,
             hardware=hardware,
             hardware_sources={name: self.describe(("hardware", name)) for name in hardware},
@@ -255,6 +265,19 @@ class _Parser:
         if self.problems:
             raise ConfigError(joined(self.problems))
         return config
+
+    def _bool(self, data: dict[str, Any], key: str, table: tuple[str, ...], default: bool) -> bool:
+        value = data.get(key, default)
+        if not isinstance(value, bool):
+            self.fail(table, key, f"must be true or false, got {value!r}")
+            return default
+        return value
+
+    def _branch(self, data: dict[str, Any]) -> str:
+        branch = self._str(data, "default-branch", (), "main") or "main"
+        if not BRANCH_RE.match(branch):
+            self.fail((), "default-branch", f"must be a branch name like 'main', got {branch!r}")
+        return branch
 
     def _secrets(self, data: dict[str, Any]) -> tuple[str, ...]:
         secrets = self._strings(data, "secrets", (), ())

@@ -1,6 +1,7 @@
 """Find test files and the registration marker calls in them, by parsing source.
 
-Test files are never imported. A registration is a module-level expression statement calling a
+Test files are never imported, but each is compiled, so a syntax error anywhere in it is reported
+here rather than on a runner. A registration is a module-level expression statement calling a
 marker (``register_cpu_ci(...)`` or ``module.register_cpu_ci(...)``) with literal arguments. Every
 way of writing one that the parser would not see -- a call inside ``if``/``def``, an import
 alias, a marker passed around as a value -- is an error, as is a test file with no registration.
@@ -20,6 +21,8 @@ from typing import Any
 from miles_core.ci.base import POSITIONAL_PARAMETERS, Registration
 from miles_core.ci.config import ISSUE_RE, closest
 
+#: module-level constant a multi-GPU test uses for its GPU count (``NUM_GPUS = 8``)
+GPU_COUNT_NAME = "NUM_GPUS"
 #: how many lines past its opening line a registration call may span before the parser falls
 #: back to parsing the whole file
 _MAX_STATEMENT_LINES = 40
@@ -68,12 +71,14 @@ def parse_source(text: str, path: str, markers: Mapping[str, Marker]) -> tuple[l
     hint = f"add a module-level call to one of {', '.join(sorted(markers))} (est_time=..., suite=...)"
     if not any(name in text for name in markers):
         return [], [f"{path}:1: no CI registration: {hint}"]
-    tree = _registration_prefix(text, markers)
-    if tree is None:
-        try:
-            tree = ast.parse(text, filename=path)
-        except SyntaxError as exc:
-            return [], [f"{path}:{exc.lineno or 1}: cannot parse: {exc.msg}"]
+    try:
+        # compiling (not only parsing) also rejects what the parser accepts ('return' outside a
+        # function, 'nonlocal' at module level, ...): the file would not run on the runner either
+        compile(text, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte in the source
+        line = getattr(exc, "lineno", None) or 1
+        return [], [f"{path}:{line}: cannot compile: {getattr(exc, 'msg', exc)}"]
+    tree = _registration_prefix(text, markers) or ast.parse(text, filename=path)
     parser = _FileParser(path, markers)
     parser.visit_module(tree)
     if not parser.registrations and not parser.problems:
@@ -82,16 +87,18 @@ def parse_source(text: str, path: str, markers: Mapping[str, Marker]) -> tuple[l
 
 
 def _registration_prefix(text: str, markers: Mapping[str, Marker]) -> ast.Module | None:
-    """The AST of the file's opening statements when they hold every mention of a marker.
+    """The AST of the file's opening statements when they hold every mention of a marker and
+    the file's ``NUM_GPUS = ...`` lines.
 
-    Registrations sit near the top, so parsing up to the end of the last column-0 call is
-    enough -- and much cheaper than parsing the whole file -- when the rest never names a
-    marker. A prefix that parses as a module ends between top-level statements (no string or
+    Registrations sit near the top, so parsing up to the end of the last column-0 call (or GPU
+    count) is enough -- and much cheaper than parsing the whole file -- when the rest never names
+    a marker. A prefix that parses as a module ends between top-level statements (no string or
     bracket left open), so its statements are exactly the file's first ones. Returns None when
     the whole file must be parsed.
     """
     names = "|".join(re.escape(name) for name in markers)
-    matches = list(re.finditer(rf"^(?:[A-Za-z_][\w.]*\.)?(?:{names})\s*\(", text, re.MULTILINE))
+    pattern = rf"^(?:(?:[A-Za-z_][\w.]*\.)?(?:{names})\s*\(|{GPU_COUNT_NAME}\b)"
+    matches = list(re.finditer(pattern, text, re.MULTILINE))
     if not matches:
         return None
     last = matches[-1]
@@ -109,6 +116,25 @@ def _registration_prefix(text: str, markers: Mapping[str, Marker]) -> ast.Module
     return None
 
 
+def _declared_gpus(tree: ast.Module) -> tuple[int, int] | None:
+    """(count, line) of a module-level ``NUM_GPUS = <int>`` (the last one), or None."""
+    found = None
+    for stmt in tree.body:
+        target, value = None, None
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+        elif isinstance(stmt, ast.AnnAssign):
+            target, value = stmt.target, stmt.value
+        if (
+            isinstance(target, ast.Name)
+            and target.id == GPU_COUNT_NAME
+            and isinstance(value, ast.Constant)
+            and _is_int(value.value)
+        ):
+            found = (value.value, stmt.lineno)
+    return found
+
+
 def _callee(func: ast.expr) -> str | None:
     if isinstance(func, ast.Name):
         return func.id
@@ -123,12 +149,14 @@ class _FileParser:
         self.markers = markers
         self.registrations: list[Registration] = []
         self.problems: list[str] = []
+        self.declared_gpus: tuple[int, int] | None = None
 
     def fail(self, node: ast.AST, message: str) -> None:
         self.problems.append(f"{self.path}:{getattr(node, 'lineno', 1)}: {message}")
 
     def visit_module(self, tree: ast.Module) -> None:
         accepted: set[int] = set()
+        self.declared_gpus = _declared_gpus(tree)
         for stmt in tree.body:
             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
                 name = _callee(stmt.value.func)
@@ -236,6 +264,7 @@ class _FileParser:
                 issue=values.get("issue"),
                 num_gpus=values.get("num_gpus"),
                 layout=values.get("layout"),
+                declared_gpus=self.declared_gpus,
                 est_span=(est.lineno, est.col_offset, est.end_lineno or est.lineno, est.end_col_offset or 0),
             )
         )

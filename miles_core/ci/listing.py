@@ -66,12 +66,17 @@ def listing(
                 "issue": s.issue,
                 "source": s.source,
                 "files": len(catalog.in_suite(s.name)),
+                "runnable_files": len(catalog.runnable(s.name)),
+                "shards_run": catalog.shards(s.name),
                 "est_total": sum(r.est_time for r in catalog.in_suite(s.name) if r.enabled),
             }
             for s in suites
         ],
-        "registrations": [r.to_dict() for r in registrations],
+        "registrations": [
+            r.to_dict() | {"stage_disabled": catalog.suites[r.suite].disabled} for r in registrations
+        ],
         "disabled": disabled,
+        "warnings": [w.message for w in catalog.warnings if w.suite is None or w.suite in names],
     }
 
 
@@ -83,7 +88,17 @@ def render_listing(data: dict[str, Any]) -> None:
 
     out = console()
     suites = Table(title=f"CI suites ({data['config']})", title_justify="left")
-    for column in ("suite", "hardware", "runners", "gpus", "shards", "cadence", "files", "est (s)", "status"):
+    for column in (
+        "suite",
+        "hardware",
+        "runners",
+        "gpus",
+        "shards run",
+        "cadence",
+        "files",
+        "est (s)",
+        "status",
+    ):
         suites.add_column(column, overflow="fold")
     for s in data["suites"]:
         gpus = str(s["gpus"]) + (f" of {s['host_gpus']}" if s["host_gpus"] else "")
@@ -93,7 +108,7 @@ def render_listing(data: dict[str, Any]) -> None:
             s["hardware"],
             ",".join(s["runs_on"]),
             gpus,
-            str(s["shards"]),
+            str(s["shards_run"]) + (f" of {s['shards']}" if s["shards_run"] != s["shards"] else ""),
             ",".join(s["cadence"]),
             str(s["files"]),
             f"{s['est_total']:g}",
@@ -106,7 +121,11 @@ def render_listing(data: dict[str, Any]) -> None:
     for r in data["registrations"]:
         flags = ", ".join(
             flag
-            for flag in ("nightly" if r["nightly"] else "", "[yellow]disabled[/]" if r["disabled"] else "")
+            for flag in (
+                "nightly" if r["nightly"] else "",
+                "[yellow]disabled[/]" if r["disabled"] else "",
+                "[yellow]stage disabled[/]" if r["stage_disabled"] else "",
+            )
             if flag
         )
         tests.add_row(
@@ -128,3 +147,5 @@ def render_listing(data: dict[str, Any]) -> None:
             )
             link = f"  tracking: {escape(d['issue'])}" if d["issue"] else "  [red]no tracking issue[/]"
             out.print(f"  {escape(what)}: {escape(d['reason'])}{link}")
+    for warning in data["warnings"]:
+        out.print(f"[yellow]warning:[/] {escape(warning)}")

@@ -3,21 +3,30 @@
 :func:`plan_shards` starts from longest-processing-time-first greedy (LPT: each file, longest
 first, goes to the least-loaded shard) and then repeatedly moves one file out of the most loaded
 shard, or swaps one of its files for a shorter one elsewhere, while that lowers the pair's
-larger load. It is deterministic (ties break on file name, then shard index) and never worse
-than LPT, which it starts from and only improves on.
+larger load. On suites of up to :data:`EXACT_MAX_FILES` files it then searches for the optimum
+(depth-first branch and bound over the files longest first, shards of equal load tried once,
+within :data:`EXACT_NODE_BUDGET` nodes), which proves most small plans optimal and finds the
+better split where the local moves get stuck. It is deterministic (ties break on file name,
+then shard index; the search budget counts nodes, not seconds) and never worse than LPT, which
+it starts from and only improves on.
 
 Quality is reported against :func:`lower_bound`: no split can finish before the longest file,
 before the average load, or before the two files that must share a shard once there are more
-files than shards.
+files than shards (rounded up to a whole second when every est_time is one).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 EPSILON = 1e-9
+#: suites up to this many files get the exact search
+EXACT_MAX_FILES = 40
+#: search nodes (one file placed on one shard) before the best plan found so far is returned
+EXACT_NODE_BUDGET = 60_000
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,8 @@ class ShardPlan:
     shards: tuple[tuple[str, ...], ...]
     loads: tuple[float, ...]
     lower_bound: float
+    #: proved to have the smallest possible makespan
+    optimal: bool = False
 
     @property
     def makespan(self) -> float:
@@ -45,6 +56,8 @@ def lower_bound(times: Sequence[float], shards: int) -> float:
     bound = max(sum(ordered) / shards, ordered[0])
     if len(ordered) > shards:
         bound = max(bound, ordered[shards - 1] + ordered[shards])
+    if all(float(t).is_integer() for t in ordered):
+        bound = float(math.ceil(bound - EPSILON))  # a load is a sum of whole seconds
     return bound
 
 
@@ -117,11 +130,56 @@ def _improve(bins: list[list[tuple[str, float]]]) -> None:
             bins[index].sort(key=lambda item: (-item[1], item[0]))
 
 
-def _plan(bins: list[list[tuple[str, float]]], bound: float) -> ShardPlan:
+def _exact(
+    ordered: list[tuple[str, float]], shards: int, best: float, bound: float
+) -> tuple[list[list[tuple[str, float]]] | None, bool]:
+    """A split with makespan below ``best``, or None; and whether the search was exhaustive
+    (so that None means ``best`` is optimal and a returned split is optimal)."""
+    times = [t for _, t in ordered]
+    loads = [0.0] * shards
+    assignment = [0] * len(times)
+    found: list[int] | None = None
+    nodes = 0
+    limit = best
+
+    def search(i: int) -> bool:
+        """False once the budget is spent or the lower bound is reached (stop everything)."""
+        nonlocal nodes, found, limit
+        if i == len(times):
+            found, limit = list(assignment), max(loads)
+            return limit > bound + EPSILON
+        tried: set[float] = set()
+        for j in sorted(range(shards), key=lambda j: (loads[j], j)):
+            if loads[j] in tried or loads[j] + times[i] >= limit - EPSILON:
+                continue
+            tried.add(loads[j])
+            nodes += 1
+            if nodes > EXACT_NODE_BUDGET:
+                return False
+            loads[j] += times[i]
+            assignment[i] = j
+            go_on = search(i + 1)
+            loads[j] -= times[i]
+            if not go_on:
+                return False
+        return True
+
+    exhaustive = search(0) or (found is not None and limit <= bound + EPSILON)
+    if found is None:
+        return None, exhaustive
+    bins: list[list[tuple[str, float]]] = [[] for _ in range(shards)]
+    for item, j in zip(ordered, found, strict=True):
+        bins[j].append(item)
+    return bins, exhaustive
+
+
+def _plan(bins: list[list[tuple[str, float]]], bound: float, optimal: bool = False) -> ShardPlan:
+    loads = tuple(sum(t for _, t in b) for b in bins)
     return ShardPlan(
         shards=tuple(tuple(name for name, _ in b) for b in bins),
-        loads=tuple(sum(t for _, t in b) for b in bins),
+        loads=loads,
         lower_bound=bound,
+        optimal=optimal or max(loads, default=0.0) <= bound + EPSILON,
     )
 
 
@@ -141,7 +199,15 @@ def plan_shards(items: Sequence[tuple[str, float]], shards: int) -> ShardPlan:
     _improve(improved)
     bound = lower_bound([t for _, t in ordered], shards)
     greedy, better = _plan(baseline, bound), _plan(improved, bound)
-    return better if better.makespan <= greedy.makespan else greedy
+    best = better if better.makespan <= greedy.makespan else greedy
+    if best.optimal or len(ordered) > EXACT_MAX_FILES:
+        return best
+    bins, exhaustive = _exact(ordered, shards, best.makespan, bound)
+    if bins is None:
+        return replace(best, optimal=exhaustive)
+    for b in bins:
+        b.sort(key=lambda item: (-item[1], item[0]))
+    return _plan(bins, bound, optimal=exhaustive)
 
 
 def _check_shards(shards: int) -> None:

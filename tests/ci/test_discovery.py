@@ -117,7 +117,7 @@ def test_accepts_keywords_positionals_attribute_calls_and_several_hardware() -> 
             3,
             "duplicate registration for cpu suite 'unit' (first at line 2)",
         ),
-        ("def broken(:\n", 2, "cannot parse"),
+        ("def broken(:\n", 2, "cannot compile"),
     ],
 )
 def test_rejects(body: str, line: int, fragment: str) -> None:
