@@ -46,7 +46,7 @@ CUDA = GPUHardware(
     labels={"gpu": "needs a CUDA GPU runner"},
     default_settings=HardwareSettings(
         install=("python3 -m pip install -e .",),
-        image="pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel",
+        image="pytorch/pytorch:2.9.0-cuda12.8-cudnn9-devel@sha256:97ec2a667dd7560c615bf50a95b2fb85a673ae233a55da1706e8e04e6d6d518e",
     ),
     default_suites=(
         Suite(

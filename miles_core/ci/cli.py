@@ -445,10 +445,22 @@ def est_times_command(
     help="Write nothing; exit 1 if the committed workflows differ from what would be generated.",
 )
 def workflows_command(root: Path | None, config: Path | None, out: Path | None, check: bool) -> None:
-    """Generate the GitHub Actions workflows from the suites and the installed hardware kinds."""
-    from miles_core.ci.workflows import differences, write
+    """Generate the GitHub Actions workflows from the suites and the installed hardware kinds,
+    and print the repository and runner-group settings their self-hosted gate relies on."""
+    from miles_core.ci.workflows import differences, trust_settings, write
 
     catalog = _catalog(root, config)
+    settings = trust_settings(catalog)
+
+    def print_settings() -> None:
+        if settings:
+            click.echo(
+                "The self-hosted gate relies on these repository and runner-group settings "
+                "(docs/ci.md, 'Trust model'):"
+            )
+            for line in settings:
+                click.echo(f"  - {line}")
+
     out_dir = out if out is not None else catalog.root / catalog.config.workflows_dir
     if check:
         diffs = differences(catalog, out_dir)
@@ -461,6 +473,7 @@ def workflows_command(root: Path | None, config: Path | None, out: Path | None, 
             )
             sys.exit(1)
         click.echo(f"{out_dir}: workflows are up to date")
+        print_settings()
         return
     written, removed = write(catalog, out_dir)
     for name in written:
@@ -469,3 +482,4 @@ def workflows_command(root: Path | None, config: Path | None, out: Path | None, 
         click.echo(f"removed {out_dir / name}")
     if not written and not removed:
         click.echo(f"{out_dir}: workflows are up to date")
+    print_settings()

@@ -1,5 +1,5 @@
 """Fixtures for the CI concern's tests: throwaway trees with a suites file, the CLI, and a
-small evaluator of GitHub Actions expressions to test job gating as behaviour, not text."""
+the workflow linters (GitHub Actions itself is modelled in actions_sim.py)."""
 
 from __future__ import annotations
 
@@ -126,60 +126,6 @@ def cli(capfd: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     return run
 
 
-# -- GitHub Actions expressions -------------------------------------------------------------
-
-
-class Obj(dict):
-    """A context object: attribute access, null (falsy, empty) for anything missing."""
-
-    def __getattr__(self, name: str) -> Any:
-        value = self.get(name)
-        if isinstance(value, dict):
-            return Obj(value)
-        return _NULL if value is None else value
-
-
-_NULL = Obj()
-
-
-def _gh_str(value: Any) -> str:
-    return "" if value is _NULL or value is None else str(value)
-
-
-def _star(items: Any, field: str) -> list[Any]:
-    return [item.get(field) for item in (items or [])]
-
-
-_FUNCTIONS = {
-    "contains": lambda haystack, needle: (
-        needle in haystack
-        if isinstance(haystack, list)
-        else _gh_str(needle).lower() in _gh_str(haystack).lower()
-    ),
-    "startsWith": lambda text, prefix: _gh_str(text).lower().startswith(_gh_str(prefix).lower()),
-    "format": lambda pattern, *args: re.sub(r"\{(\d+)\}", lambda m: _gh_str(args[int(m.group(1))]), pattern),
-    "join": lambda items, sep=",": sep.join(_gh_str(i) for i in (items or [])),
-}
-
-
-def evaluate(expression: str, github: dict[str, Any], inputs: dict[str, Any] | None = None) -> Any:
-    """Evaluate the subset of the GitHub expression language the generated workflows use."""
-    text = expression.strip()
-    if text.startswith("${{") and text.endswith("}}"):
-        text = text[3:-2]
-    text = re.sub(r"([\w.]+)\.\*\.(\w+)", r"_star(\1, '\2')", text)
-    text = text.replace("&&", " and ").replace("||", " or ")
-    text = re.sub(r"!(?!=)", " not ", text)
-    text = text.replace("null", "None").replace("true", "True").replace("false", "False")
-    scope = {"github": Obj(github), "inputs": Obj(inputs or {}), "_star": _star, **_FUNCTIONS}
-    return eval(text, {"__builtins__": {}}, scope)
-
-
-@pytest.fixture
-def gh_eval() -> Callable[..., Any]:
-    return evaluate
-
-
 # -- workflow linters -----------------------------------------------------------------------
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -201,7 +147,7 @@ def lint_workflows() -> Callable[[Path], list[str]]:
     directory inside a git repository; return their complaints (empty when both pass)."""
     import subprocess
 
-    def lint(workflows: Path) -> list[str]:
+    def lint(workflows: Path, persona: str = "regular") -> list[str]:
         repo = workflows.parent.parent
         if not (repo / ".git").exists():
             subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -216,6 +162,8 @@ def lint_workflows() -> Callable[[Path], list[str]]:
                 _tool("zizmor"),
                 "--offline",
                 "--no-progress",
+                "--persona",
+                persona,
                 "--config",
                 str(REPO_ROOT / ".github" / "zizmor.yml"),
                 str(workflows),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from miles_core.ci.builtin import CUDA
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 
@@ -160,7 +161,7 @@ def test_hardware_settings_override_kind_defaults_per_key(tree) -> None:
     tree.test_file("tests/test_a.py", 'register_cpu_ci(5, "unit")')
     settings = tree.catalog().settings("cuda")
     assert settings.install == ("make gpu",)
-    assert settings.image == "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel"
+    assert settings.image == CUDA.default_settings.image and "@sha256:" in settings.image
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ ROCM = GPUHardware(
     labels={"rocm": "needs an AMD ROCm GPU runner"},
     default_settings=HardwareSettings(
         install=("python3 -m pip install -e . -e plugins/miles_rocm",),
-        image="rocm/pytorch:rocm7.2.1_ubuntu24.04_py3.12_pytorch_release_2.9.1",
+        image="rocm/pytorch:rocm7.2.1_ubuntu24.04_py3.12_pytorch_release_2.9.1@sha256:96a2fb24dec9896e2f8238178f0c49d0dcc4c7dcc597be09e4564316bd86d191",
     ),
     default_suites=(
         Suite(

@@ -86,6 +86,9 @@ def test_registrations_that_do_not_fit_the_suite_fail_at_discovery(
 
 def test_rocm_workflow_two_shards_split_host_and_gating(tmp_path, pm) -> None:
     root = project(tmp_path, 'register_rocm_ci(600, "stage-c-4-gpu-mi350", labels=["rocm"], num_gpus=4)')
+    (root / "tests" / "test_amd_2.py").write_text(
+        HEADER + 'register_rocm_ci(300, "stage-c-4-gpu-mi350", labels=["rocm"])\n\n\ndef test_y():\n    pass\n'
+    )
     files = {name: yaml.safe_load(text) for name, text in generate(load_catalog(root, pm=pm)).items()}
     job = files["_run-rocm-ci.yml"]["jobs"]["run-rocm"]
     options = job["container"]["options"]
@@ -95,8 +98,17 @@ def test_rocm_workflow_two_shards_split_host_and_gating(tmp_path, pm) -> None:
         and "--device=/dev/dri" in options
     )
     assert [s["id"] for s in job["steps"]][:4] == ["checkout", "wait-driver", "device-check", "install"]
-    stage = files["pr-test.yml"]["jobs"]["stage-c-4-gpu-mi350"]
-    assert stage["strategy"]["matrix"]["partition"] == [0, 1]
+    stage = files["pr-test-self-hosted.yml"]["jobs"]["stage-c-4-gpu-mi350"]
+    assert stage["strategy"]["matrix"]["partition"] == [0, 1]  # two files: both shards have work
     assert (stage["with"]["gpus"], stage["with"]["split_host"]) == (4, True)
     assert "github.event.pull_request.head.repo.full_name == github.repository" in stage["if"]
-    assert "contains(github.event.pull_request.labels.*.name, 'run-ci-rocm')" in stage["if"]
+    assert "contains(fromJSON('[\"run-ci-all\",\"run-ci-rocm\"]'), github.event.label.name)" in stage["if"]
+    assert stage["with"]["ref"] == "${{ github.event.pull_request.head.sha }}"
+
+
+def test_one_file_takes_one_runner(tmp_path, pm) -> None:
+    root = project(tmp_path, 'register_rocm_ci(600, "stage-c-4-gpu-mi350", labels=["rocm"], num_gpus=4)')
+    catalog = load_catalog(root, pm=pm)
+    stage = yaml.safe_load(generate(catalog)["pr-test-self-hosted.yml"])["jobs"]["stage-c-4-gpu-mi350"]
+    assert stage["strategy"]["matrix"]["partition"] == [0] and stage["with"]["partitions"] == 1
+    assert any("declares shards = 2 but has 1 enabled file(s)" in w for w in catalog.warnings_for(None))
