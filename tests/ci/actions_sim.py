@@ -236,7 +236,7 @@ class _Parser:
     def postfix(self, value: Any) -> Any:
         while self.peek() in (("op", "."), ("op", "[")):
             if self.take()[1] == ".":
-                kind, name = self.take()
+                _, name = self.take()
                 if name == "*":
                     value = Filtered(value.values() if isinstance(value, dict) else value or [])
                 elif isinstance(value, Filtered):

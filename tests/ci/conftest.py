@@ -4,7 +4,6 @@ the workflow linters (GitHub Actions itself is modelled in actions_sim.py)."""
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass

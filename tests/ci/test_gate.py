@@ -146,7 +146,7 @@ def test_a_forks_commits_never_reach_self_hosted_runners_unapproved(files, allow
 def test_a_label_approves_the_forks_commit_for_its_own_stages(files, allowed, label, present, stages) -> None:
     runs = sim(files, pr_event("labeled", [*present, label], fork=True, label=label), allowed)
     assert self_hosted_stages(runs) == stages
-    for (workflow, stage), job in runner_jobs(runs).items():
+    for (workflow, _), job in runner_jobs(runs).items():
         if job.self_hosted or workflow == GATED_WORKFLOW:
             assert workflow == GATED_WORKFLOW
             assert job.checkout == HEAD_SHA  # exactly the commit the labelled event names

@@ -16,7 +16,7 @@ from miles_core.ci.runner import RunReport, run_files
 from miles_core.ci.selection import resolve_labels, select
 from miles_core.ci.sharding import plan_shards
 
-register_cpu_ci(est_time=30, suite="stage-a-cpu")
+register_cpu_ci(est_time=32, suite="stage-a-cpu")
 
 # The files these tests run use neither plugin; hypothesis' pytest plugin alone costs seconds per
 # process where bytecode caching is off (PYTHONDONTWRITEBYTECODE), so the child runs skip it.
