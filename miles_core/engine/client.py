@@ -1,9 +1,12 @@
 """Async HTTP client of an SGLang-compatible inference engine.
 
-One client serves the session server (its upstream) and the RL loop. It retries only failures
-that prove the request never reached the engine (the TCP connection could not be established);
-anything after that -- a read timeout, a reset, a malformed reply -- is raised at once as a typed
-:class:`EngineError`, because the engine may already have generated (and a retry would sample
+One client serves the session server (its upstream) and the RL loop. Each request has one
+deadline (``timeout``) covering everything it does, retries included. It retries only failures
+that prove the request never reached the engine (the TCP connection could not be established)
+and, once, a request lost to the keep-alive race (a reused connection the engine closed before a
+byte of reply; :meth:`~miles_core.engine.http.HTTPPool.exchange` argues why that is safe);
+anything else -- a timeout, a reset mid-reply, a malformed reply -- is raised at once as a typed
+:class:`EngineError`, because the engine may already be generating (and a retry would sample
 again).
 
     async with EngineClient("http://127.0.0.1:30000", timeout=600) as engine:
@@ -81,10 +84,11 @@ def snippet(data: bytes | str, limit: int = SNIPPET_CHARS) -> str:
 class EngineClient:
     """Async client of one engine base URL (``http://host:port``, without ``/v1``).
 
-    ``timeout`` bounds each read, write and wait for a pooled connection; ``connect_timeout``
-    bounds establishing a connection, which is retried ``connect_retries`` times with exponential
-    backoff starting at ``retry_backoff`` seconds. ``headers`` are sent with every request.
-    At most ``max_connections`` connections are open at once.
+    ``timeout`` bounds each call as a whole: waiting for a pooled connection, connecting (and
+    retrying to), sending and reading the complete reply. ``connect_timeout`` bounds each attempt
+    to establish a connection, which is retried ``connect_retries`` times with exponential backoff
+    starting at ``retry_backoff`` seconds, all within ``timeout``. ``headers`` are sent with every
+    request. At most ``max_connections`` connections are open at once.
 
     Requests go over :class:`~miles_core.engine.http.HTTPPool` (keep-alive connections, HTTP
     parsed in C by httptools): the per-request Python of httpx (~1 ms of CPU per engine call)
@@ -92,8 +96,7 @@ class EngineClient:
     turn. ``transport`` replaces the network with an httpx transport (tests:
     ``httpx.MockTransport``); ``app`` calls an ASGI app of this process directly (an engine
     served in-process, such as :func:`miles_core.engine.server.create_app`): no sockets, no HTTP
-    parsing, no hop through a server thread; ``timeout`` then bounds the whole exchange. All
-    raise httpx's exception types, so everything above the byte exchange -- retries, typed
+    parsing, no hop through a server thread. All raise httpx's exception types, so everything above the byte exchange -- retries, typed
     errors, status and JSON checks -- is one code path.
     """
 
@@ -115,12 +118,13 @@ class EngineClient:
         if transport is not None and app is not None:
             raise ValueError("give at most one of transport and app")
         self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
         self.connect_retries = connect_retries
         self.retry_backoff = retry_backoff
         default_headers = {"user-agent": f"miles/{__version__}", "accept": "application/json", **(headers or {})}
         self._pool: _Pool
         if app is not None:
-            self._pool = _AppPool(app, self.base_url, default_headers, timeout)
+            self._pool = _AppPool(app, self.base_url, default_headers)
         elif transport is not None:
             timeouts = httpx.Timeout(timeout, connect=connect_timeout)
             self._pool = _TransportPool(transport, self.base_url, default_headers, timeouts)
@@ -197,19 +201,22 @@ class EngineClient:
     ) -> bytes:
         """The body of a 2xx reply to one request, retried only while it provably never left."""
         url = self.base_url + path
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         attempt = 0
         while True:
             try:
-                status, received = await self._pool.exchange(method, path, headers or {}, content)
+                status, received = await self._pool.exchange(method, path, headers or {}, content, deadline=deadline)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the engine: the only failure that is safe to retry.
-                if attempt >= self.connect_retries:
+                backoff = self.retry_backoff * 2**attempt
+                if attempt >= self.connect_retries or loop.time() + backoff >= deadline:
                     kind = EngineTimeoutError if isinstance(exc, httpx.ConnectTimeout) else EngineConnectionError
                     raise kind(
                         f"cannot connect to the engine after {attempt + 1} attempt(s): {_describe(exc)}", url=url
                     ) from exc
-                await asyncio.sleep(self.retry_backoff * 2**attempt)
+                await asyncio.sleep(backoff)
                 attempt += 1
             except httpx.TimeoutException as exc:
                 raise EngineTimeoutError(f"engine timed out: {_describe(exc)}", url=url) from exc
@@ -225,10 +232,11 @@ _CHAT_PATH = "/v1/chat/completions"
 
 
 class _Pool(Protocol):
-    """Sends one request and reads the whole reply; failures raise httpx's exception types."""
+    """Sends one request and reads the whole reply by ``deadline`` (event-loop time); failures
+    raise httpx's exception types."""
 
     async def exchange(
-        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None, *, deadline: float
     ) -> tuple[int, bytes]: ...
 
     async def aclose(self) -> None: ...
@@ -246,13 +254,17 @@ class _TransportPool:
         self._timeout = timeout.as_dict()
 
     async def exchange(
-        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None, *, deadline: float
     ) -> tuple[int, bytes]:
         request = httpx.Request(
             method, self._base_url + path, headers={**self._headers, **headers}, content=content, extensions={"timeout": self._timeout}
         )
-        response = await self._transport.handle_async_request(request)
-        return response.status_code, await response.aread()
+
+        async def call() -> tuple[int, bytes]:
+            response = await self._transport.handle_async_request(request)
+            return response.status_code, await response.aread()
+
+        return await _by_deadline(call(), deadline)
 
     async def aclose(self) -> None:
         await self._transport.aclose()
@@ -265,20 +277,16 @@ class _AppPool:
     ``http.disconnect``). It must need no lifespan startup (the engine's app needs none).
     """
 
-    def __init__(self, app: ASGIApp, base_url: str, headers: Mapping[str, str], timeout: float) -> None:
+    def __init__(self, app: ASGIApp, base_url: str, headers: Mapping[str, str]) -> None:
         self._app = app
         self._base_url = base_url
         self._headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
-        self._timeout = timeout
 
     async def exchange(
-        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None
+        self, method: str, path: str, headers: Mapping[str, str], content: bytes | None, *, deadline: float
     ) -> tuple[int, bytes]:
-        url = self._base_url + path
-        try:
-            return await asyncio.wait_for(self._call(method, url, headers, content or b""), self._timeout)
-        except TimeoutError:  # wait_for cancelled the app: the engine's app aborts the generation
-            raise httpx.ReadTimeout(f"no complete reply within {self._timeout} s") from None
+        # at the deadline the app is cancelled: the engine's app then aborts the generation
+        return await _by_deadline(self._call(method, self._base_url + path, headers, content or b""), deadline)
 
     async def _call(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> tuple[int, bytes]:
         parts = urlsplit(url)
@@ -336,6 +344,15 @@ class _AppPool:
 
     async def aclose(self) -> None:
         return None
+
+
+async def _by_deadline(call: Awaitable[tuple[int, bytes]], deadline: float) -> tuple[int, bytes]:
+    """``call``'s result, or :class:`httpx.ReadTimeout` once event-loop time passes ``deadline``."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    try:
+        return await asyncio.wait_for(call, max(remaining, 0.0))
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"no complete reply within {max(remaining, 0.0):.3g} s") from None
 
 
 def _json_object(content: bytes, url: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def session() -> None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on (0 picks a free one; the URL is printed).")
 @click.option("--upstream-timeout", default=600.0, show_default=True, type=float,
-              help="Seconds to wait for each read/write of an engine call before answering 502.")
+              help="Seconds an engine call may take as a whole (connecting, sending, the complete reply) before answering 502.")
 @click.option("--connect-timeout", default=10.0, show_default=True, type=float,
               help="Seconds to wait for a connection to the engine.")
 @click.option("--connect-retries", default=2, show_default=True, type=int,

@@ -23,7 +23,7 @@ class SessionServerConfig:
     version: str = "v1"
     chat_template: str | Path | None = None  # a Jinja file replacing the tokenizer's template
     template_family: str | None = None  # default: detected from the template
-    upstream_timeout: float = 600.0  # seconds per read/write of an upstream call
+    upstream_timeout: float = 600.0  # seconds an upstream call may take as a whole
     connect_timeout: float = 10.0
     connect_retries: int = 2
     upstream_headers: Mapping[str, str] = field(default_factory=dict)

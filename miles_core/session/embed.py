@@ -53,12 +53,14 @@ def base_url(sock: socket.socket) -> str:
 KEEP_ALIVE_S = 75
 
 
-def uvicorn_server(app: Any, *, log_level: str = "warning", access_log: bool = False) -> Any:
+def uvicorn_server(
+    app: Any, *, log_level: str = "warning", access_log: bool = False, keep_alive_s: float = KEEP_ALIVE_S
+) -> Any:
     """A ``uvicorn.Server`` for ``app`` with the settings every session server uses."""
     import uvicorn
 
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=KEEP_ALIVE_S
+        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s
     )
     return uvicorn.Server(config)
 
@@ -77,11 +79,18 @@ def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", 
 
 @contextmanager
 def run_app_in_thread(
-    app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0, log_level: str = "warning"
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout: float = 30.0,
+    log_level: str = "warning",
+    keep_alive_s: float = KEEP_ALIVE_S,
 ) -> Iterator[str]:
-    """Serve the ASGI ``app`` with uvicorn in a daemon thread; yield its base URL."""
+    """Serve the ASGI ``app`` with uvicorn in a daemon thread; yield its base URL.
+    ``keep_alive_s``: how long the server keeps an idle connection open."""
     sock = bind_socket(host, port)
-    server = uvicorn_server(app, log_level=log_level)
+    server = uvicorn_server(app, log_level=log_level, keep_alive_s=keep_alive_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"asgi-{host}:{port}", daemon=True)
     thread.start()
     try:

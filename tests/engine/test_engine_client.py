@@ -3,6 +3,7 @@
 import asyncio
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from miles_core.engine.client import (
 )
 from miles_core.testing.engine_stub import Fault, FixedReply, StubEngine, chat_reply
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 REPLY = chat_reply("r", {"role": "assistant", "content": "ok"}, [1, 2], "stop", prompt_tokens=3)
 
@@ -268,3 +269,73 @@ def test_in_process_failures_map_like_network_ones(caplog) -> None:
     _run(timed_out())
     with pytest.raises(ValueError, match="at most one of transport and app"):
         EngineClient("http://engine:1", app=_asgi_app(), transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+
+
+async def _ok_app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"id": "r"}'})
+
+
+def test_a_busy_loop_does_not_reuse_a_connection_the_engine_closed_meanwhile() -> None:
+    """uvicorn closes an idle connection after timeout_keep_alive; an event loop busy past it
+    has not seen the close when it sends the next request."""
+    from miles_core.session.embed import run_app_in_thread
+
+    with run_app_in_thread(_ok_app, keep_alive_s=0.2) as url:
+
+        async def scenario() -> None:
+            async with EngineClient(url, timeout=5, connect_retries=0) as client:
+                assert await client.chat_completions({"input_ids": [1]}) == {"id": "r"}
+                time.sleep(0.4)  # the loop is busy (a long tokenization, a GC pause) past the keep-alive
+                assert await client.chat_completions({"input_ids": [1]}) == {"id": "r"}
+
+        _run(scenario())
+
+
+def test_requests_racing_the_engines_keep_alive_timer_all_succeed() -> None:
+    """Requests sent by a busy loop about when the engine's keep-alive timer closes the idle
+    connection -- just before, at or after it: every request must still get its reply."""
+    from miles_core.session.embed import run_app_in_thread
+
+    with run_app_in_thread(_ok_app, keep_alive_s=0.05) as url:
+
+        async def scenario() -> int:
+            ok = 0
+            async with EngineClient(url, timeout=5, connect_retries=0) as client:
+                for i in range(30):
+                    time.sleep(0.05 * (0.9 + 0.2 * (i % 11) / 10))  # busy for 45-55 ms
+                    ok += await client.chat_completions({"input_ids": [1]}) == {"id": "r"}
+            return ok
+
+        assert _run(scenario()) == 30
+
+
+def test_the_timeout_bounds_a_trickling_reply() -> None:
+    """A peer that sends one byte at a time, each within the timeout, is cut off at the deadline."""
+
+    async def scenario() -> float:
+        async def trickle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+            try:
+                for _ in range(1000):
+                    writer.write(b" ")
+                    await writer.drain()
+                    await asyncio.sleep(0.03)
+            except ConnectionError:
+                pass
+
+        server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with EngineClient(f"http://127.0.0.1:{port}", timeout=0.3) as client:
+            with pytest.raises(EngineTimeoutError, match="no complete reply"):
+                await client.health()
+        server.close()
+        return loop.time() - started
+
+    assert _run(scenario()) < 0.3 + 0.2  # the deadline, plus scheduling on a loaded machine

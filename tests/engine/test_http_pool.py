@@ -7,6 +7,7 @@ import asyncio
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -16,7 +17,7 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.http import HTTPPool
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LOOPS: list[Callable[[], asyncio.AbstractEventLoop] | None] = [None]
@@ -214,10 +215,10 @@ def test_unsolicited_bytes_drop_the_idle_connection() -> None:
     ("handler", "settings", "error", "message"),
     [
         (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc", then="reset"), {}, httpx.ReadError, "broke"),
-        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc"), {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
+        (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc"), {"timeout": 0.2}, httpx.ReadTimeout, "no complete reply"),
         (answer(b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n" + b"x" * 99), {"max_reply_bytes": 64}, httpx.RemoteProtocolError, "exceeds 64"),
         (answer(b"SMTP ready\r\n\r\n"), {}, httpx.RemoteProtocolError, "not valid HTTP"),
-        (_silent, {"timeout": 0.2}, httpx.ReadTimeout, "no bytes"),
+        (_silent, {"timeout": 0.2}, httpx.ReadTimeout, "no complete reply"),
     ],
     ids=["reset-mid-body", "stalled-body", "oversized", "not-http", "no-reply"],
 )
@@ -244,20 +245,167 @@ def test_an_early_close_is_a_protocol_error() -> None:
     run(scenario)
 
 
-def test_the_read_timeout_bounds_each_wait_not_the_whole_reply() -> None:
+def test_the_timeout_bounds_the_whole_exchange() -> None:
+    """A peer that keeps sending a byte at a time cannot hold a request past its timeout."""
+
     async def dripping(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\n")
-        for byte in b"abcdef":
-            await asyncio.sleep(0.08)
-            writer.write(bytes([byte]))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            writer.write(b"x")
             await writer.drain()
 
     async def scenario() -> None:
         async with Server(dripping) as server:
-            client = pool(server.url, timeout=0.2)  # the whole reply takes ~0.5 s
-            assert await client.exchange("GET", "/", {}, None) == (200, b"abcdef")
+            client = pool(server.url, timeout=0.3)  # the whole reply would take ~2 s
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(httpx.ReadTimeout, match=r"no complete reply from the engine within 0\.3 s"):
+                await client.exchange("GET", "/", {}, None)
+            assert loop.time() - started < 0.3 + 0.2  # the deadline, plus scheduling on a loaded machine
             await client.aclose()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (100 << 10) + b"\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 90) for i in range(1000)) + b"content-length: 0\r\n\r\n",
+    ],
+    ids=["one-huge-header", "many-headers"],
+)
+def test_reply_headers_are_capped(reply: bytes) -> None:
+    async def scenario() -> None:
+        async with Server(answer(reply)) as server:
+            client = pool(server.url)
+            with pytest.raises(httpx.RemoteProtocolError, match="headers exceed 65536 bytes"):
+                await client.exchange("GET", "/", {}, None)
+            small = pool(server.url, max_header_bytes=len(reply))  # under its own cap the same reply passes
+            status, _ = await small.exchange("GET", "/", {}, None)
+            assert status == 200
+            await client.aclose()
+            await small.aclose()
+
+    run(scenario)
+
+
+def test_headers_trickled_past_the_cap_are_refused_before_they_end() -> None:
+    async def endless_header(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-endless: ")
+        for _ in range(400):  # 400 x 1 KiB, never a line end
+            writer.write(b"a" * 1024)
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        async with Server(endless_header) as server:
+            client = pool(server.url, max_header_bytes=16 << 10)
+            with pytest.raises(httpx.RemoteProtocolError, match="headers exceed 16384 bytes"):
+                await client.exchange("GET", "/", {}, None)
+            await client.aclose()
+
+    run(scenario)
+
+
+async def _end_on_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, how: str = "close") -> None:
+    """Read a request and end the connection without a byte of reply: closed, reset, or after
+    a partial reply."""
+    await read_request(reader)
+    if how == "reset":
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    elif how == "partial":
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        await writer.drain()
+
+
+def _racing_server(first: str, second: str) -> Server:
+    """Connection 1 serves one reply, then ends on the next request as ``first`` says;
+    connection 2 ends on its first request as ``second`` says ("serve": keep-alive as usual)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if server.connections == 1:
+            await read_request(reader)
+            writer.write(OK)
+            await writer.drain()
+            await _end_on_request(reader, writer, first)
+        elif server.connections == 2 and second != "serve":
+            await _end_on_request(reader, writer, second)
+        else:
+            await server.keep_alive(reader, writer)
+
+    server = Server(handler)
+    return server
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_reused_connection_that_ends_before_any_reply_byte_is_retried_once(how: str) -> None:
+    """The keep-alive race: the engine ended the idle connection as the request reached it."""
+
+    async def scenario() -> None:
+        async with _racing_server(how, "serve") as server:
+            client = pool(server.url)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            assert await client.exchange("POST", "/", {}, b"{}") == (200, b"ok")  # retried on connection 2
+            await client.aclose()
+        assert server.connections == 2 and server.requests == [(server.requests[0][0], b"{}")]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "error", "connections"),
+    [
+        ("partial", "serve", httpx.RemoteProtocolError, 1),  # a reply had begun: the engine was answering
+        ("close", "close", httpx.RemoteProtocolError, 2),  # one retry, and a fresh connection that ends stands
+        ("close", "reset", httpx.ReadError, 2),
+    ],
+    ids=["reply-begun", "retry-ends-too", "retry-reset"],
+)
+def test_what_is_never_retried(first: str, second: str, error: type[Exception], connections: int) -> None:
+    async def scenario() -> None:
+        async with _racing_server(first, second) as server:
+            client = pool(server.url)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            with pytest.raises(error):
+                await client.exchange("POST", "/", {}, b"{}")
+            await client.aclose()
+        assert server.connections == connections
+
+    run(scenario)
+
+
+def test_a_fresh_connection_that_ends_before_a_reply_is_not_retried() -> None:
+    async def scenario() -> None:
+        async with Server(_end_on_request) as server:
+            client = pool(server.url)
+            with pytest.raises(httpx.RemoteProtocolError, match="without a complete reply"):
+                await client.exchange("POST", "/", {}, b"{}")
+            await client.aclose()
+        assert server.connections == 1
+
+    run(scenario)
+
+
+def test_an_idle_connection_the_peer_closed_is_not_reused_even_before_the_loop_sees_it() -> None:
+    """The engine's close can sit unread in the socket while this event loop is busy: the
+    transport still looks open, the socket says otherwise."""
+
+    async def scenario() -> None:
+        async with Server(answer(OK, then="close")) as server:
+            client = pool(server.url)
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            [idle] = client._idle
+            time.sleep(0.1)  # blocks the loop: the close arrives, connection_lost has not run
+            assert not idle._transport.is_closing()
+            assert not idle.reusable()
+            assert await client.exchange("GET", "/", {}, None) == (200, b"ok")
+            await client.aclose()
+        assert server.connections == 2
 
     run(scenario)
 
@@ -273,9 +421,11 @@ def test_connection_failures_are_connect_errors() -> None:
 
 
 def test_the_connection_limit_queues_requests_and_bounds_the_wait() -> None:
+    delays = [0.1]
+
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (await read_request(reader))[0]:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(delays[0])
             writer.write(OK)
             await writer.drain()
 
@@ -284,8 +434,12 @@ def test_the_connection_limit_queues_requests_and_bounds_the_wait() -> None:
             client = pool(server.url, max_connections=1)
             replies = await asyncio.gather(*(client.exchange("GET", "/", {}, None) for _ in range(3)))
             assert replies == [(200, b"ok")] * 3 and server.connections == 1
+            await client.aclose()
+            # the wait for a slot counts against the request's deadline
+            delays[0] = 0.3
             client = pool(server.url, max_connections=1, timeout=0.15)
-            first = asyncio.ensure_future(client.exchange("GET", "/", {}, None))
+            later = asyncio.get_running_loop().time() + 2  # a caller's own deadline for the first
+            first = asyncio.ensure_future(client.exchange("GET", "/", {}, None, deadline=later))
             await asyncio.sleep(0.01)
             with pytest.raises(httpx.ConnectTimeout, match="no free connection"):
                 await asyncio.gather(*(client.exchange("GET", "/", {}, None) for _ in range(2)))

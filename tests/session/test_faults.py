@@ -36,7 +36,9 @@ def test_fault_answers_502_and_changes_nothing(serve, version, fault) -> None:
     assert first.status_code == 200
     history = [Q1, first.json()["choices"][0]["message"], Q2]
     before = harness.state(sid).content
-    harness.stub.inject(fault)
+    # a lone reset on a reused connection is the keep-alive race, retried once on a new
+    # connection (test_a_lone_reset_is_retried_once): an engine that resets again answers 502
+    harness.stub.inject(*[fault] * (2 if fault is Fault.RESET else 1))
     response = harness.chat(sid, {"messages": history})
     assert response.status_code == 502
     error = response.json()["error"]
@@ -46,6 +48,22 @@ def test_fault_answers_502_and_changes_nothing(serve, version, fault) -> None:
     assert harness.state(sid).content == before
     retry = harness.chat(sid, {"messages": history})
     assert retry.status_code == 200
+    assert len(harness.state(sid).json()["records"]) == 2
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_lone_reset_is_retried_once(serve, version) -> None:
+    """A reused connection that ends before a byte of reply: sent again on a new connection, and
+    the turn is recorded once."""
+    harness = serve(version)
+    sid = harness.create()
+    first = harness.chat(sid, {"messages": [Q1]})
+    assert first.status_code == 200
+    harness.stub.inject(Fault.RESET)
+    second = harness.chat(sid, {"messages": [Q1, first.json()["choices"][0]["message"], Q2]})
+    assert second.status_code == 200, second.text
+    sent = harness.stub.chat_requests(sid)
+    assert len(sent) == 3 and sent[1].body == sent[2].body  # the lost request, then its retry
     assert len(harness.state(sid).json()["records"]) == 2
 
 
