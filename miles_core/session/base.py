@@ -46,6 +46,8 @@ class PromptTokenizer(Protocol):
     """What a store needs to turn messages into prompt ids (:class:`~.tokenizer.ChatTokenizer`)."""
 
     family: TemplateFamily
+    #: ids ``0 .. vocab_size - 1`` exist (added tokens included); the engine's ids are checked against it
+    vocab_size: int
 
     def render_prompt(
         self, messages: Sequence[dict[str, Any]], *, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any]

@@ -1,10 +1,22 @@
 """Typed completion extractor: an upstream chat reply -> :class:`Completion`.
 
 Every reply that breaks the SGLang-compatible contract -- no choices, no message, no
-``meta_info``, malformed ``[logprob, token_id]`` pairs, a token count that disagrees with
-``completion_tokens``, a message with neither content nor tool calls -- raises
+``meta_info``, malformed ``[logprob, token_id]`` pairs, a token id outside the tokenizer's
+vocabulary, a token count that disagrees with ``completion_tokens``, a message with neither
+content nor tool calls, an empty completion that its token limit did not cut off -- raises
 :class:`~miles_core.session.errors.UpstreamFailure` (HTTP 502) with a bounded message, before
 anything is recorded.
+
+**Token ids** must lie in ``[0, vocab_size)``, ``vocab_size`` being the session tokenizer's
+whole vocabulary (added tokens included): an id the tokenizer cannot decode would be sent back
+upstream in the next turn's prompt and trained on.
+
+**An empty completion** (no tokens) is a turn only when its token limit ended it
+(``finish_reason == "length"``, e.g. ``max_tokens: 0``) and its message is empty (content ``""``,
+no tool calls): it is then recorded like any truncated turn (response length 0; extending it is
+409). Any other empty completion claims to have stopped without sampling anything -- not even
+the stop token, which the engine returns as part of the completion -- or carries text without
+the tokens it came from, and is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +49,8 @@ class Completion:
         return self.finish_reason == "length"
 
 
-def extract_completion(reply: Mapping[str, Any]) -> Completion:
+def extract_completion(reply: Mapping[str, Any], *, vocab_size: int) -> Completion:
+    """The completion carried by ``reply``; ``vocab_size`` bounds its token ids (module docstring)."""
     choices = reply.get("choices")
     if not isinstance(choices, list) or not choices:
         raise _bad("reply has no choices")
@@ -53,7 +66,7 @@ def extract_completion(reply: Mapping[str, Any]) -> Completion:
     pairs = meta.get("output_token_logprobs")
     if not isinstance(pairs, list):
         raise _bad("choices[0].meta_info.output_token_logprobs is missing or not a list")
-    token_ids, logprobs = _split_pairs(pairs)
+    token_ids, logprobs = _split_pairs(pairs, vocab_size)
     expected = meta.get("completion_tokens", (reply.get("usage") or {}).get("completion_tokens"))
     if not _is_int(expected):
         raise _bad("completion_tokens is missing (neither meta_info.completion_tokens nor usage.completion_tokens)")
@@ -72,6 +85,15 @@ def extract_completion(reply: Mapping[str, Any]) -> Completion:
         finish_reason = finish_reason.get("type")
     if finish_reason is not None and not isinstance(finish_reason, str):
         raise _bad("choices[0].finish_reason is not a string")
+    if not token_ids and (finish_reason != "length" or content or tool_calls):
+        raise _bad(
+            "empty completion: no tokens, but "
+            + (
+                "a message with text or tool calls"
+                if content or tool_calls
+                else f"finish_reason={finish_reason!r} (only a completion its token limit ended may be empty)"
+            )
+        )
     weight_version = meta.get("weight_version", reply.get("weight_version"))
     assistant: Message = {"role": "assistant", "content": content}
     for name in ("tool_calls", "reasoning_content"):
@@ -86,10 +108,11 @@ def extract_completion(reply: Mapping[str, Any]) -> Completion:
     )
 
 
-def _split_pairs(pairs: list[Any]) -> tuple[list[int], list[float]]:
-    """Token ids and log-probs of ``[logprob, token_id]`` pairs: a bulk check for the common
-    case (completions run to thousands of tokens), then a per-entry pass that names the first
-    bad entry or accepts unusual but valid spellings (tuples, int subclasses)."""
+def _split_pairs(pairs: list[Any], vocab_size: int) -> tuple[list[int], list[float]]:
+    """Token ids (in ``[0, vocab_size)``) and log-probs of ``[logprob, token_id]`` pairs: a bulk
+    check for the common case (completions run to thousands of tokens), then a per-entry pass
+    that names the first bad entry or accepts unusual but valid spellings (tuples, int
+    subclasses)."""
     if pairs and set(map(type, pairs)) == {list} and min(map(len, pairs)) >= 2:
         token_ids = list(map(itemgetter(1), pairs))
         logprobs = list(map(itemgetter(0), pairs))
@@ -97,6 +120,7 @@ def _split_pairs(pairs: list[Any]) -> tuple[list[int], list[float]]:
         if (
             set(map(type, token_ids)) == {int}
             and min(token_ids) >= 0
+            and max(token_ids) < vocab_size
             and logprob_types <= {float, int}
             and max(logprobs) <= 0
             and math.isfinite(sum(logprobs))  # no -inf or NaN among them
@@ -109,6 +133,11 @@ def _split_pairs(pairs: list[Any]) -> tuple[list[int], list[float]]:
         logprob, token_id = pair[0], pair[1]
         if not _is_int(token_id) or token_id < 0:
             raise _bad(f"output_token_logprobs[{i}] token id {token_id!r} is not a non-negative integer")
+        if token_id >= vocab_size:
+            raise _bad(
+                f"output_token_logprobs[{i}] token id {token_id} is outside the tokenizer's vocabulary "
+                f"({vocab_size} ids: 0..{vocab_size - 1})"
+            )
         if not _is_number(logprob) or not math.isfinite(logprob) or logprob > 0:
             raise _bad(f"output_token_logprobs[{i}] log-prob {logprob!r} is not a finite number <= 0")
         token_ids.append(int(token_id))

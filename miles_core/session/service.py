@@ -152,7 +152,7 @@ class SessionService:
                 reply, received = await self.engine.chat_completions_raw(sent, routing_key=session.id)
             except EngineError as exc:
                 raise upstream_error(exc) from exc
-            completion = extract_completion(reply)
+            completion = extract_completion(reply, vocab_size=self.tokenizer.vocab_size)
             turn = session.store.commit(plan, completion, TurnRecord(sent, received, started, time.time()))
             session.committed_tokens += len(turn.token_ids)
         return ChatOutcome(client_reply(reply), stream, include_usage)

@@ -56,6 +56,7 @@ class ChatTokenizer:
         self._backend = _private_backend(tokenizer)
         self.family = family
         self.source = source
+        self.vocab_size = len(tokenizer)  # the base vocabulary and every added token
         self._reserved = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
         self.stop_id = self._single_token(family.stop_token) if family.stop_token else None
         self.reopening_ids = frozenset(self._single_token(t) for t in family.reopening_stops)

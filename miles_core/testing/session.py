@@ -45,6 +45,7 @@ class ConformanceTokenizer:
     family = CHATML
     SPECIAL: ClassVar[dict[str, int]] = {"<|im_start|>": 256, "<|im_end|>": 257}
     STOP_ID = 257
+    vocab_size = 258
 
     def encode(self, text: str) -> tuple[int, ...]:
         ids: list[int] = []

@@ -13,10 +13,15 @@ from miles_core.testing.engine_stub import chat_reply
 register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 GOOD = chat_reply("r1", {"role": "assistant", "content": "hi"}, [104, 105, 258], "stop", prompt_tokens=4)
+VOCAB = 400
+
+
+def extract(reply):
+    return extract_completion(reply, vocab_size=VOCAB)
 
 
 def test_extracts_ids_logprobs_and_metadata() -> None:
-    completion = extract_completion(GOOD)
+    completion = extract(GOOD)
     assert completion.token_ids == (104, 105, 258)
     assert completion.logprobs == (-0.125, -0.25, -0.375)
     assert completion.message == {"role": "assistant", "content": "hi"}
@@ -28,7 +33,7 @@ def _broken(mutate):
     reply = copy.deepcopy(GOOD)
     mutate(reply)
     with pytest.raises(UpstreamFailure) as info:
-        extract_completion(reply)
+        extract(reply)
     assert info.value.status == 502
     return str(info.value)
 
@@ -62,6 +67,59 @@ def _meta(reply):
 )
 def test_every_contract_break_is_a_502(mutate, expected) -> None:
     assert expected in _broken(mutate)
+
+
+def _ids(*ids):
+    return lambda r: (_meta(r).update(output_token_logprobs=[[-0.5, i] for i in ids], completion_tokens=len(ids)))
+
+
+@pytest.mark.parametrize(
+    ("ids", "bad"),
+    [((2**70,), 2**70), ((10**9,), 10**9), ((VOCAB,), VOCAB), ((1, 2, VOCAB + 5, 3), VOCAB + 5)],
+    ids=["2**70", "1e9", "vocab_size", "one-among-many"],
+)
+def test_token_ids_outside_the_vocabulary_are_a_502(ids, bad) -> None:
+    index = ids.index(bad)
+    message = _broken(_ids(*ids))
+    assert f"output_token_logprobs[{index}] token id {bad} is outside the tokenizer's vocabulary (400 ids: 0..399)" in message
+
+
+def test_the_last_id_of_the_vocabulary_is_accepted() -> None:
+    reply = copy.deepcopy(GOOD)
+    _ids(0, VOCAB - 1)(reply)
+    assert extract(reply).token_ids == (0, VOCAB - 1)
+
+
+def _empty(finish_reason, content="", **message):
+    def mutate(reply):
+        _ids()(reply)
+        reply["choices"][0]["finish_reason"] = finish_reason
+        reply["choices"][0]["message"] = {"role": "assistant", "content": content, **message}
+
+    return mutate
+
+
+def test_an_empty_completion_cut_by_its_token_limit_is_a_turn() -> None:
+    reply = copy.deepcopy(GOOD)
+    _empty("length")(reply)
+    completion = extract(reply)
+    assert completion.token_ids == () and completion.logprobs == () and completion.truncated
+    assert completion.message == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (_empty("stop"), "finish_reason='stop' (only a completion its token limit ended may be empty)"),
+        (_empty(None), "finish_reason=None"),
+        (_empty("length", "text without tokens"), "a message with text or tool calls"),
+        (_empty("length", None, tool_calls=[{"function": {"name": "f", "arguments": "{}"}}]), "with text or tool calls"),
+    ],
+    ids=["stop", "no-reason", "text", "tool-call"],
+)
+def test_other_empty_completions_are_a_502(mutate, expected) -> None:
+    message = _broken(mutate)
+    assert "empty completion" in message and expected in message
 
 
 def test_error_messages_are_bounded() -> None:

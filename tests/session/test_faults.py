@@ -12,7 +12,7 @@ from miles_core.session.config import SessionServerConfig
 from miles_core.session.embed import serve_in_thread
 from miles_core.testing.engine_stub import Fault
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=24, suite="stage-a-cpu")
 
 Q1 = {"role": "user", "content": "first question"}
 Q2 = {"role": "user", "content": "second question"}
@@ -100,3 +100,55 @@ def test_engine_down_answers_502_after_connect_retries(tokenizer_dir, chat_token
         assert response.status_code == 502
         assert "after 3 attempt(s)" in response.json()["error"]["message"]
         assert client.get(f"/sessions/{sid}").json()["records"] == []
+
+
+class _OutOfVocabulary:
+    """The stub's responder, with one token id of the next reply replaced by ``bad``."""
+
+    def __init__(self, inner, bad: int) -> None:
+        self.inner, self.bad = inner, bad
+
+    def __call__(self, request):
+        reply = self.inner(request)
+        reply["choices"][0]["meta_info"]["output_token_logprobs"][1][1] = self.bad
+        return reply
+
+
+@pytest.mark.parametrize("bad", [2**70, 10**9, 265], ids=["2**70", "1e9", "vocab_size"])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_token_ids_outside_the_vocabulary_answer_502_and_change_nothing(serve, version, bad) -> None:
+    harness = serve(version)  # the tiny tokenizer: 265 ids
+    sid = harness.create()
+    first = harness.chat(sid, {"messages": [Q1]})
+    history = [Q1, first.json()["choices"][0]["message"], Q2]
+    before = harness.state(sid).content
+    samples_before = harness.client.post(f"/sessions/{sid}/samples").content
+    inner = harness.stub.responder
+    harness.stub.responder = _OutOfVocabulary(inner, bad)
+    try:
+        response = harness.chat(sid, {"messages": history})
+    finally:
+        harness.stub.responder = inner
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["type"] == "upstream_error"
+    assert f"token id {bad} is outside the tokenizer's vocabulary (265 ids: 0..264)" in error["message"]
+    assert harness.state(sid).content == before
+    assert harness.client.post(f"/sessions/{sid}/samples").content == samples_before
+    assert harness.chat(sid, {"messages": history}).status_code == 200
+    sent = json.loads(harness.stub.chat_requests(sid)[-1].body)["input_ids"]
+    assert max(sent) < 265
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_an_empty_completion_at_its_token_limit_is_a_truncated_turn(serve, version) -> None:
+    harness = serve(version)
+    sid = harness.create()
+    reply = harness.chat(sid, {"messages": [Q1], "max_tokens": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    [record] = harness.state(sid).json()["records"]
+    [sample] = harness.client.post(f"/sessions/{sid}/samples").json()["samples"]
+    assert sample["response_length"] == 0 and sample["loss_mask"] == [] and sample["tokens"] == record["request"]["input_ids"]
+    extended = harness.chat(sid, {"messages": [Q1, reply.json()["choices"][0]["message"], Q2]})
+    assert extended.status_code == 409  # like every turn its token limit cut off
