@@ -34,8 +34,9 @@ PACKING_KWARG = "miles_packed_sequences"
 _CURRENT: contextvars.ContextVar[PackedSequences | None] = contextvars.ContextVar(
     "miles_packed_sequences", default=None
 )
-#: (owner id, token) of every model-level scope open in this context, innermost last
-_MODEL_SCOPES: contextvars.ContextVar[tuple[tuple[int, contextvars.Token], ...]] = contextvars.ContextVar(
+#: (model id, owner id, token) of every model-level scope open in this context, innermost last:
+#: ``owner`` is the module whose forward opened it, ``model`` the prepared model it belongs to
+_MODEL_SCOPES: contextvars.ContextVar[tuple[tuple[int, int, contextvars.Token], ...]] = contextvars.ContextVar(
     "miles_model_packing_scopes", default=()
 )
 
@@ -188,19 +189,25 @@ def packing_scope(ctx: PackedSequences | None) -> Iterator[PackedSequences | Non
         _CURRENT.reset(token)
 
 
-def enter_model_scope(owner: object, ctx: PackedSequences | None) -> None:
-    """Open ``owner``'s scope (a model forward): ``ctx`` is current until :func:`exit_model_scope`."""
-    _MODEL_SCOPES.set((*_MODEL_SCOPES.get(), (id(owner), _CURRENT.set(ctx))))
+def enter_model_scope(owner: object, ctx: PackedSequences | None, *, model: object | None = None) -> None:
+    """Open ``owner``'s scope (a forward of ``model``, by default ``owner`` itself): ``ctx`` is
+    current until :func:`exit_model_scope`."""
+    model_id = id(owner if model is None else model)
+    _MODEL_SCOPES.set((*_MODEL_SCOPES.get(), (model_id, id(owner), _CURRENT.set(ctx))))
 
 
 def exit_model_scope(owner: object) -> None:
     """Close ``owner``'s scope if it is the innermost one (a forward whose entry failed opened none)."""
     scopes = _MODEL_SCOPES.get()
-    if scopes and scopes[-1][0] == id(owner):
+    if scopes and scopes[-1][1] == id(owner):
         _MODEL_SCOPES.set(scopes[:-1])
-        _CURRENT.reset(scopes[-1][1])
+        _CURRENT.reset(scopes[-1][2])
 
 
-def model_scope_open() -> bool:
-    """Whether a model-level scope is open in this context (a forward, not a checkpoint replay)."""
-    return bool(_MODEL_SCOPES.get())
+def model_scope_open(model: object | None = None) -> bool:
+    """Whether a model-level scope is open in this context (a forward, not a checkpoint replay);
+    with ``model``, whether the innermost one is a forward of that model."""
+    scopes = _MODEL_SCOPES.get()
+    if model is None:
+        return bool(scopes)
+    return bool(scopes) and scopes[-1][0] == id(model)

@@ -33,9 +33,11 @@ def prepare_model(
     """Apply every patch whose ``matches(model.config)`` holds, verify it on ``model`` and probe it.
 
     When an applied patch reads the packing context (``uses_packing_context``), also installs the
-    model-level packing scope (:mod:`miles_core.patches.scope`) so packed rows reach every patched
-    layer, and switches ``sdpa`` attention to per-document packed attention
-    (:mod:`miles_core.patches.attention`). Idempotent: preparing a model twice re-verifies it. Records each
+    packing scope (:mod:`miles_core.patches.scope`) on the model and on every module of it where a
+    packed forward can start (the decoder stack, each decoder layer, the patched layers), so packed
+    rows reach every patched layer whichever module a trainer calls, and switches ``sdpa``
+    attention to per-document packed attention (:mod:`miles_core.patches.attention`).
+    Idempotent: preparing a model twice re-verifies it. Records each
     applied patch in the plugin fingerprint. ``probe=False`` skips the numeric probes (for models
     whose modules cannot run on their own, e.g. already sharded). ``packed=True`` (a trainer about to
     run packed rows) installs the scope and the per-document attention whatever the patches: attention
@@ -50,6 +52,7 @@ def prepare_model(
     reports: list[PatchReport] = []
     not_matched: list[str] = []
     needs_scope = False
+    readers: list[Any] = []
     for contribution in pm.active_contributions("patches"):
         patch: ModelPatch = contribution.obj
         targets = _attributed(contribution, patch.targets, model)
@@ -68,7 +71,9 @@ def prepare_model(
             )
         kernels, kernel_warnings = _check_kernels(contribution, device_types)
         applied = _attributed(contribution, patch.apply, model)
-        needs_scope = needs_scope or bool(getattr(patch, "uses_packing_context", False))
+        if getattr(patch, "uses_packing_context", False):
+            needs_scope = True
+            readers += [m for m in model.modules() if type(m) in set(targets)]
         _attributed(contribution, patch.verify, model)
         result = _attributed(contribution, _run_probe, patch, model) if probe else None
         pm.record_applied_patch(contribution.name, applied.classes)
@@ -91,7 +96,7 @@ def prepare_model(
         )
     packed_attention = False
     if needs_scope or packed:
-        install_packing_scope(model)
+        install_packing_scope(model, readers)
         packed_attention = use_packed_attention(model)
     return PrepareReport(
         model=qualname(type(model)),

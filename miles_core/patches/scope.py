@@ -1,9 +1,27 @@
-"""The model-level packing scope: forward hooks that :func:`prepare_model` installs on a model.
+"""The packing scope: forward hooks that :func:`prepare_model` installs on a model's entry points.
 
-Before every forward the pre-hook reads the call's ``position_ids`` and ``attention_mask``,
-derives the :class:`~miles_core.patches.packing.PackedSequences` (or ``None``), enforces the rules
-below, passes the context down the forward's keyword arguments and makes it current; the
-after-hook (``always_call``, so it also runs when the forward raises) closes the scope.
+A trainer does not always call the model it prepared: RL trainers run the backbone
+(``model.model``) and apply ``lm_head`` in chunks, tests call one decoder layer. So the hooks go
+on every **entry point** of the prepared model, every module where a packed forward can start:
+
+* the model itself;
+* every module whose ``forward`` names a ``position_ids`` parameter and takes ``**kwargs`` (the
+  decoder stack, each decoder layer): the packing context reaches the layers below through them;
+* every module that reads the packing context (a patch's targets, such as the patched Gated
+  DeltaNet layers), which may get ``position_ids`` through its ``**kwargs``;
+* every module whose ``forward`` names ``position_ids`` but takes no ``**kwargs`` and contains a
+  reader: a packed forward there cannot carry the boundaries down, so it raises.
+
+Modules below that (an attention or MLP block on its own, a rotary embedding) see no packed rows
+they could tell apart and are not entry points.
+
+When a hooked forward starts while another prepared forward is running (it was called by one,
+or an activation-checkpoint replay brings the context in its captured keyword arguments), the
+running forward's context stands and the hook does nothing. Otherwise -- a forward that starts
+here -- the pre-hook reads the call's ``position_ids`` and ``attention_mask``, derives the
+:class:`~miles_core.patches.packing.PackedSequences` (or ``None``), enforces the rules below,
+passes the context down the forward's keyword arguments and makes it current; the after-hook
+(``always_call``, so it also runs when the forward raises) closes the scope.
 
 Rules, each a clear :class:`~miles_core.patches.packing.PackingError` instead of silently mixed
 documents:
@@ -20,6 +38,7 @@ documents:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,24 +48,60 @@ from miles_core.patches.packing import (
     PackingError,
     enter_model_scope,
     exit_model_scope,
+    model_scope_open,
     packed_sequences,
 )
 
 _HOOKED = "_miles_packing_scope_hooks"
+#: attribute of an entry point: the prepared model it belongs to
+_MODEL = "_miles_packing_scope_model"
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
-def install_packing_scope(model: torch.nn.Module) -> bool:
-    """Install the scope hooks on ``model`` (once); returns whether they were newly installed."""
-    if has_packing_scope(model):
-        return False
-    handles = (
-        model.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True),
-        model.register_forward_hook(_exit, always_call=True),
-    )
-    setattr(model, _HOOKED, tuple(h.id for h in handles))
-    return True
+def install_packing_scope(model: torch.nn.Module, readers: Iterable[torch.nn.Module] = ()) -> bool:
+    """Install the scope hooks on every entry point of ``model`` (see the module docstring) that
+    lacks them; ``readers`` are its modules that read the packing context. Returns whether any
+    hooks were newly installed."""
+    installed = False
+    for module in packing_entry_points(model, readers):
+        if not has_packing_scope(module):
+            handles = (
+                module.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True),
+                module.register_forward_hook(_exit, always_call=True),
+            )
+            setattr(module, _HOOKED, tuple(h.id for h in handles))
+            installed = True
+        if module is not model:
+            object.__setattr__(module, _MODEL, model)  # not a submodule: no cycle in modules()
+    return installed
+
+
+def packing_entry_points(model: torch.nn.Module, readers: Iterable[torch.nn.Module] = ()) -> list[torch.nn.Module]:
+    """``model`` and its modules where a packed forward can start (the module docstring's rules)."""
+    reader_ids = {id(m) for m in readers}
+    contains_reader: dict[int, bool] = {}
+
+    def has_reader(module: torch.nn.Module) -> bool:
+        if id(module) not in contains_reader:
+            contains_reader[id(module)] = id(module) in reader_ids or any(
+                has_reader(child) for child in module.children()
+            )
+        return contains_reader[id(module)]
+
+    entries = []
+    for module in model.modules():
+        parameters = _forward_parameters(module)
+        names_position_ids = "position_ids" in parameters
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        if (
+            module is model
+            or (names_position_ids and var_kw)
+            or (id(module) in reader_ids and var_kw)
+            or (names_position_ids and has_reader(module))
+        ):
+            entries.append(module)
+    return entries
 
 
 def has_packing_scope(model: torch.nn.Module) -> bool:
@@ -55,7 +110,17 @@ def has_packing_scope(model: torch.nn.Module) -> bool:
     return bool(ids) and ids[0] in model._forward_pre_hooks and ids[1] in model._forward_hooks
 
 
+def _forward_parameters(module: torch.nn.Module) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a readable signature (a C extension)
+        return {}
+
+
 def _enter(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    model = getattr(module, _MODEL, module)
+    if PACKING_KWARG in kwargs or model_scope_open(model):
+        return args, kwargs  # inside a forward of its model (or its checkpoint replay): that context stands
     signature = inspect.signature(module.forward)
     params = signature.bind_partial(*args, **kwargs).arguments
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
@@ -90,7 +155,7 @@ def _enter(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
                 "reach its layers"
             )
         kwargs = {**kwargs, PACKING_KWARG: ctx}
-    enter_model_scope(module, ctx)
+    enter_model_scope(module, ctx, model=model)
     return args, kwargs
 
 

@@ -124,3 +124,98 @@ def test_nested_models_each_see_their_own_context(miles_pm, toy) -> None:
     prepare_model(outer)
     assert outer(IDS, position_ids=PACKED).lengths() == [4, 2]
     assert inner.calls[-1]["current"] is None
+
+
+class _Stack(torch.nn.Module):
+    """A decoder stack: ``position_ids`` by name, ``**kwargs`` passed down to its layer."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.currents: list = []
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        self.currents.append(current_packed_sequences())
+        return self.layer(hidden, **kwargs)
+
+
+class _Rotary(torch.nn.Module):
+    """Position-wise, no ``**kwargs``, no reader inside: not an entry point."""
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+class _Legacy(torch.nn.Module):
+    """``position_ids`` by name but no ``**kwargs``, with a reader inside: cannot carry the context."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.layer(hidden)
+
+
+@pytest.fixture
+def stacked(miles_pm, toy) -> SimpleNamespace:
+    """A toy model whose forward runs a decoder stack, the way a causal LM runs ``model.model``."""
+    miles_pm.register(
+        plugin_module("toy", miles_model_patches=lambda: [toy.Patch(toy.layer)]), name="toy-plugin"
+    )
+
+    class Model(toy.Model):
+        def __init__(self) -> None:
+            super().__init__(toy.layer)
+            self.stack = _Stack(self.layer)
+            self.rotary = _Rotary()
+            self.legacy = _Legacy(toy.layer())
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None, **kwargs):
+            self.calls.append({"kwargs": dict(kwargs), "current": current_packed_sequences()})
+            hidden = torch.nn.functional.one_hot(input_ids % 4, 4).float()
+            return self.stack(self.rotary(hidden, position_ids), position_ids=position_ids, **kwargs)
+
+    model = Model()
+    prepare_model(model)
+    hidden = torch.nn.functional.one_hot(IDS % 4, 4).float()
+    return SimpleNamespace(model=model, hidden=hidden)
+
+
+def test_entry_points_are_the_modules_a_packed_forward_can_start_at(stacked) -> None:
+    from miles_core.patches.scope import has_packing_scope
+
+    model = stacked.model
+    hooked = {name for name, module in model.named_modules() if has_packing_scope(module)}
+    assert hooked == {"", "stack", "layer", "legacy", "legacy.layer"}  # not the rotary embedding
+
+
+def test_a_packed_call_of_an_inner_stack_carries_the_boundaries(stacked) -> None:
+    model = stacked.model
+    model.stack(stacked.hidden, position_ids=PACKED)
+    ctx = model.stack.currents[-1]
+    assert ctx is not None and ctx.lengths() == [4, 2]
+    assert model.layer.seen[-1] is ctx  # passed down to the reader
+    assert current_packed_sequences() is None and not model_scope_open()
+    model.layer(stacked.hidden, position_ids=PACKED)  # a reader called on its own: through **kwargs
+    assert model.layer.seen[-1].lengths() == [4, 2]
+    model.stack(stacked.hidden, position_ids=torch.arange(6).view(1, -1))
+    assert model.stack.currents[-1] is None and model.layer.seen[-1] is None
+
+
+def test_inside_a_forward_of_the_model_its_context_stands(stacked) -> None:
+    model = stacked.model
+    model(IDS, position_ids=PACKED)
+    outer = model.calls[-1]["current"]
+    assert outer is not None
+    assert model.stack.currents[-1] is outer and model.layer.seen[-1] is outer  # not derived again
+    model(IDS)  # unpacked: the stack and its layer run in the model's scope, without a context
+    assert model.stack.currents[-1] is None and model.layer.seen[-1] is None
+
+
+def test_a_packed_call_that_cannot_carry_the_boundaries_fails_loudly(stacked) -> None:
+    with pytest.raises(PackingError, match="_Legacy.forward takes no \\*\\*kwargs, so the packing context cannot"):
+        stacked.model.legacy(stacked.hidden, position_ids=PACKED)
+    assert not model_scope_open()
+    stacked.model.legacy(stacked.hidden, position_ids=torch.arange(6).view(1, -1))  # unpacked: fine
+    assert stacked.model.legacy.layer.seen[-1] is None
