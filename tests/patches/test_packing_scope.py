@@ -214,7 +214,7 @@ def test_inside_a_forward_of_the_model_its_context_stands(stacked) -> None:
 
 
 def test_a_packed_call_that_cannot_carry_the_boundaries_fails_loudly(stacked) -> None:
-    with pytest.raises(PackingError, match="_Legacy.forward takes no \\*\\*kwargs, so the packing context cannot"):
+    with pytest.raises(PackingError, match=r"_Legacy\.forward takes no \*\*kwargs, so the packing context cannot"):
         stacked.model.legacy(stacked.hidden, position_ids=PACKED)
     assert not model_scope_open()
     stacked.model.legacy(stacked.hidden, position_ids=torch.arange(6).view(1, -1))  # unpacked: fine
