@@ -1,0 +1,40 @@
+"""``benchmarks/session_overhead.py`` at a tiny scale: it runs interleaved direct/session rounds
+and reports what its numbers need to be read: the throughput ratio per round, every process's
+CPU per turn, the machine's idle share and the load average, and that no turn was lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from miles_core.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "session_overhead.py"
+
+
+def test_the_benchmark_reports_throughput_and_the_load_it_ran_under() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sessions", "4", "--turns", "2", "--stub-delay-ms", "20",
+         "--rounds", "2", "--skip-assembly"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["sessions"] == 4 and result["rounds"] == 2 and result["lost_records"] == 0
+    assert len(result["throughput_ratios"]) == 2 and 0 < result["throughput_ratio"] <= 2
+    assert result["turns_per_s"] > 0 and result["direct_turns_per_s"] > 0
+    for run in ("direct", "session"):
+        assert set(result["cpu_ms_per_turn"][run]) == {"load_generator", "session_server", "stub"}
+        assert 0 <= result["machine_idle"][run] <= 1
+    assert result["cpu_ms_per_turn"]["session"]["session_server"] > 0  # the server did the work
+    assert len(result["load_avg_1m"]) == 2 and result["cpu_count"] >= 1
+    assert "assembly_32k_ms" not in result
+
+
+def test_bad_arguments_exit_2() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--sessions", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--sessions must be >= 1" in done.stderr
