@@ -15,9 +15,21 @@ Rules every implementation follows:
   import torch, transformers, ray, megatron or e2b. Hooks return small descriptor objects; heavy
   imports happen inside their methods, when the concern is activated.
 * **Hooks return sequences.** Every contribution hook returns a list (possibly empty) of objects.
-  None of them is ``firstresult``: the core calls each plugin's implementation separately, so a
-  contribution is always attributed to the plugin that made it and one plugin's failure never
-  hides another's contributions.
+  None of them is ``firstresult``. The core calls the hook once per implementing plugin, each
+  time through pluggy's own hook caller restricted to that plugin's implementation plus every
+  wrapper of the hook, so a contribution is always attributed to the plugin that made it, one
+  plugin's failure never hides another's contributions, and pluggy's options mean what pluggy
+  says: ``@hookimpl(tryfirst=True)`` / ``trylast=True`` order the calls, and a wrapper
+  (``@hookimpl(wrapper=True)``) wraps each plugin's call and may filter or decorate that
+  plugin's list (contribute your own objects from a plain implementation instead).
+* **Names are unique per concern; priority decides on purpose.** Two plugins contributing the
+  same name at the same priority is a conflict: the one registered later is broken for that
+  concern. A ``tryfirst`` implementation's object *replaces* a plain (or ``trylast``) one of the
+  same name -- a plugin's own ``grpo`` over the built-in, say -- and the replaced one is listed
+  as shadowed by ``miles plugins list``.
+* **Unknown hooks are errors.** A ``miles_*`` function that matches no hook below (a typo) fails
+  pluggy's validation (``PluginManager.check_pending``) and breaks the plugin, unless it is marked
+  ``@hookimpl(optionalhook=True)`` (a hook of a newer miles, say).
 * **Every contribution has a unique** ``name`` (a ``str``) within its concern, and a ``verify``
   method that checks the *effect* of what it did (a patched class on the built model, an
   environment fix in place), never its intent. Verification failure stops the job (fail closed).
@@ -27,18 +39,34 @@ Rules every implementation follows:
 
 The object protocols live next to each concern: :mod:`miles_core.hardware.base`,
 :mod:`miles_core.patches.base`, :mod:`miles_core.session.base`, :mod:`miles_core.sandbox.base`,
-:mod:`miles_core.ci.base`, :mod:`miles_core.engine.base` and :mod:`miles_core.rl.tasks`.
+:mod:`miles_core.ci.base`, :mod:`miles_core.engine.base`, :mod:`miles_core.rl.tasks`, and for the
+RL step :mod:`miles_core.rl.algorithms.base`, :mod:`miles_core.rl.rollout.base`,
+:mod:`miles_core.rl.trainers.base`, :mod:`miles_core.rl.orchestrators.base` and
+:mod:`miles_core.rl.trackers.base`. Conformance kits for authors are in :mod:`miles_core.testing`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
 if TYPE_CHECKING:
     import click
+
+    from miles_core.ci.base import CIHardware
+    from miles_core.engine.base import EngineKind
+    from miles_core.hardware.base import HardwareBackend
+    from miles_core.patches.base import ModelPatch
+    from miles_core.rl.algorithms.base import Algorithm
+    from miles_core.rl.orchestrators.base import Orchestrator
+    from miles_core.rl.rollout.base import RolloutFunction
+    from miles_core.rl.tasks import Task
+    from miles_core.rl.trackers.base import Tracker
+    from miles_core.rl.trainers.base import TrainerBackend
+    from miles_core.sandbox.spec import SandboxProviderSpec
+    from miles_core.session.base import SessionVersion
 
 PROJECT_NAME = "miles"
 ENTRY_POINT_GROUP = "miles.plugins"
@@ -48,7 +76,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def miles_hardware_backends() -> Sequence[Any]:
+def miles_hardware_backends() -> Sequence[HardwareBackend]:
     """Hardware backends this plugin provides (:class:`miles_core.hardware.base.HardwareBackend`).
 
     Called: by ``miles plugins list`` (names only) and when the hardware concern is activated
@@ -63,7 +91,7 @@ def miles_hardware_backends() -> Sequence[Any]:
 
 
 @hookspec
-def miles_model_patches() -> Sequence[Any]:
+def miles_model_patches() -> Sequence[ModelPatch]:
     """Model patches this plugin provides (:class:`miles_core.patches.base.ModelPatch`).
 
     Called: by ``miles plugins list`` and by :func:`miles_core.patches.prepare_model` each time a
@@ -80,7 +108,7 @@ def miles_model_patches() -> Sequence[Any]:
 
 
 @hookspec
-def miles_session_versions() -> Sequence[Any]:
+def miles_session_versions() -> Sequence[SessionVersion]:
     """Rollout session versions (:class:`miles_core.session.base.SessionVersion`).
 
     Called: by ``miles plugins list`` and when a session server starts (``miles session serve``,
@@ -92,7 +120,7 @@ def miles_session_versions() -> Sequence[Any]:
 
 
 @hookspec
-def miles_sandbox_providers() -> Sequence[Any]:
+def miles_sandbox_providers() -> Sequence[SandboxProviderSpec]:
     """Sandbox providers (:class:`miles_core.sandbox.spec.SandboxProviderSpec`).
 
     Called: by ``miles plugins list``, ``miles sandbox providers`` and when a sandbox is needed.
@@ -106,7 +134,7 @@ def miles_sandbox_providers() -> Sequence[Any]:
 
 
 @hookspec
-def miles_ci_hardware() -> Sequence[Any]:
+def miles_ci_hardware() -> Sequence[CIHardware]:
     """CI hardware kinds (:class:`miles_core.ci.base.CIHardware`).
 
     Called: by ``miles ci ...`` when test registrations are discovered and workflows generated.
@@ -120,17 +148,21 @@ def miles_ci_hardware() -> Sequence[Any]:
 
 
 @hookspec
-def miles_tasks() -> Sequence[Any]:
+def miles_tasks() -> Sequence[Task]:
     """RL tasks and reward functions (:class:`miles_core.rl.tasks.Task`).
 
     Called: by ``miles plugins list`` and by ``miles train`` when it resolves the configured task.
 
-    Returns: a list of task objects (prompt source, reward function, optional greedy metric).
+    Returns: a list of task objects. ``miles train`` trains a task that has ``prompts()`` and a
+    ``reward``; ``description``, ``has_accuracy`` and ``tools`` are optional (defaults: the
+    task's name, ``True`` and no tools). A task that lacks what training needs is listed, and
+    ``miles train`` refuses it before building anything, naming what is missing.
+    ``verify()`` checks the task is trainable (prompts exist, the reward scores a known answer).
     """
 
 
 @hookspec
-def miles_inference_engines() -> Sequence[Any]:
+def miles_inference_engines() -> Sequence[EngineKind]:
     """Inference engines (:class:`miles_core.engine.base.EngineKind`).
 
     Called: by ``miles plugins list``, ``miles doctor`` and when an engine is launched
@@ -141,6 +173,84 @@ def miles_inference_engines() -> Sequence[Any]:
     speaking the engine HTTP contract, and a check. ``verify()`` proves the engine works on this
     machine: the embedded engine generates with its tiny preset and compares the log-probs to a
     teacher-forced forward.
+    """
+
+
+@hookspec
+def miles_algorithms() -> Sequence[Algorithm]:
+    """RL algorithms: an advantage estimator plus a policy loss
+    (:class:`miles_core.rl.algorithms.base.Algorithm`).
+
+    Called: by ``miles plugins list``, ``miles doctor``, and when ``miles train`` builds its
+    config (``algorithm.name`` must name one) and its trainer.
+
+    Returns: a list of algorithm objects (built-ins: ``grpo``, ``dr-grpo``, ``gspo``; each is
+    defined in docs/train.md). Each declares the rollout fields it needs, the smallest group it
+    works with, how per-token losses are aggregated, and the ``algorithm.*`` settings it reads.
+    ``verify()`` computes the loss on the fixed tiny batch of
+    :mod:`miles_core.rl.algorithms.probe` and checks it has the documented value and that its
+    gradient raises the log-prob of the rewarded sample and lowers an unrewarded one's.
+    """
+
+
+@hookspec
+def miles_rollout_functions() -> Sequence[RolloutFunction]:
+    """How trajectories are produced (:class:`miles_core.rl.rollout.base.RolloutFunction`).
+
+    Called: by ``miles plugins list``, ``miles doctor``, and by ``miles train``
+    (``rollout.path`` must name one).
+
+    Returns: a list of rollout functions (built-ins: ``direct``, batched token-in generation
+    through the engine; ``agentic``, OpenAI-chat episodes through the session server). Each
+    declares the rollout fields it provides and the ``rollout.*`` settings it reads;
+    ``start(context)`` builds the rollout for a run (heavy imports there). ``verify()`` checks the
+    declarations and that the implementation imports; the conformance kit
+    (:mod:`miles_core.testing.rollout`) runs a tiny rollout and checks its trajectories are
+    token-exact.
+    """
+
+
+@hookspec
+def miles_trainer_backends() -> Sequence[TrainerBackend]:
+    """Trainer backends (:class:`miles_core.rl.trainers.base.TrainerBackend`).
+
+    Called: by ``miles plugins list``, ``miles doctor``, and by ``miles train``
+    (``trainer.backend`` must name one).
+
+    Returns: a list of backends (built-ins: ``hf``, transformers + torch; ``megatron``,
+    megatron-core). ``create(...)`` imports the framework and builds the trainer. ``verify()``
+    runs one update on a tiny model and checks the weights moved as documented: the rewarded
+    response's log-prob rose and the unrewarded one's fell, in the weights the engine would get.
+    """
+
+
+@hookspec
+def miles_orchestrators() -> Sequence[Orchestrator]:
+    """Where a run's engine, trainer and rollout workers live
+    (:class:`miles_core.rl.orchestrators.base.Orchestrator`).
+
+    Called: by ``miles plugins list``, ``miles doctor``, and by ``miles train``
+    (``orchestrator.kind`` must name one).
+
+    Returns: a list of orchestrators (built-ins: ``inprocess``, ``ray``). ``build(config, pm)``
+    assembles the run's :class:`~miles_core.rl.runtime.Runtime`; every worker it starts checks the
+    driver's plugin fingerprint before building anything. ``verify()`` checks the orchestrator can
+    run here (its framework imports, at a supported version).
+    """
+
+
+@hookspec
+def miles_trackers() -> Sequence[Tracker]:
+    """Experiment-tracking sinks for per-step metrics (:class:`miles_core.rl.trackers.base.Tracker`).
+
+    Called: by ``miles plugins list``, ``miles doctor``, and by ``miles train``
+    (``run.trackers`` names the ones a run writes to).
+
+    Returns: a list of trackers (built-ins: ``jsonl`` -- the run's own ``metrics.jsonl`` --,
+    ``tensorboard``, ``wandb``, ``mlflow``). A tracker's SDK is imported only when it is selected
+    (in ``open``); credentials are configured by reference (``env:NAME``, ``file:/path``) and never
+    logged. ``verify()`` writes records through the tracker into a scratch directory and reads
+    them back from the tracker's own store.
     """
 
 

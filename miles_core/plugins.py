@@ -24,7 +24,7 @@ import importlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -52,6 +52,11 @@ CONCERN_HOOKS: dict[str, str] = {
     "ci": "miles_ci_hardware",
     "tasks": "miles_tasks",
     "engine": "miles_inference_engines",
+    "algorithms": "miles_algorithms",
+    "rollout": "miles_rollout_functions",
+    "trainer": "miles_trainer_backends",
+    "orchestrator": "miles_orchestrators",
+    "trackers": "miles_trackers",
 }
 
 Stage = Literal["import", "register", "hook", "verify", "conflict"]
@@ -85,6 +90,8 @@ class PluginRecord:
     problems: list[Problem] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
     contributes: dict[str, list[str]] = field(default_factory=dict)
+    #: concern -> "name (by plugin)" for contributions another plugin's higher-priority one replaced
+    shadowed: dict[str, list[str]] = field(default_factory=dict)
     import_ms: float | None = None
 
     @property
@@ -125,6 +132,7 @@ class PluginRecord:
             "reason": self.reason,
             "hooks": sorted(self.hooks),
             "contributes": {k: v for k, v in sorted(self.contributes.items()) if v},
+            "shadowed": {k: v for k, v in sorted(self.shadowed.items()) if v},
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -154,10 +162,6 @@ def _parse_list(value: str | None) -> frozenset[str] | None:
     if value is None or not value.strip():
         return None
     return frozenset(part.strip() for part in value.split(",") if part.strip())
-
-
-def _hook_names() -> frozenset[str]:
-    return frozenset(n for n in dir(hookspecs) if n.startswith("miles_"))
 
 
 class MilesPluginManager:
@@ -275,19 +279,26 @@ class MilesPluginManager:
     def _register_module(self, record: PluginRecord, module: ModuleType | object) -> None:
         record.module = module
         try:
-            self._pm.register(module, name=record.name)
+            self._pm.register(module, name=record.name)  # pluggy checks signatures against the specs
         except Exception as exc:
             record.problems.append(Problem("register", _describe(exc), detail=_traceback()))
             self._fail(record)
             return
-        known = _hook_names()
-        callers = self._pm.get_hookcallers(module) or []
-        record.hooks = sorted(hc.name for hc in callers)
-        unknown = [h for h in record.hooks if h not in known]
-        if unknown:
+        record.hooks = sorted(hc.name for hc in self._pm.get_hookcallers(module) or [])
+        try:
+            # every plugin registered before this one passed, so a failure here is this one's
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            unknown = [
+                hc.name
+                for hc in self._pm.get_hookcallers(module) or []
+                if not hc.has_spec() and any(not i.optionalhook for i in hc.get_hookimpls() if i.plugin is module)
+            ]
             self._pm.unregister(module)
             record.hooks = []
-            record.problems.append(Problem("register", f"implements unknown hook(s) {', '.join(unknown)}"))
+            record.problems.append(
+                Problem("register", f"implements unknown hook(s) {', '.join(unknown)} ({exc})")
+            )
             self._fail(record)
 
     def _warn_unknown_filters(self) -> None:
@@ -319,8 +330,15 @@ class MilesPluginManager:
     def contributions(self, concern: str) -> list[Contribution]:
         """Every object contributed to ``concern`` by plugins that are not blocked.
 
-        Each plugin's hook implementation is called separately; one that raises or returns
-        something malformed marks that plugin broken for the concern and contributes nothing.
+        The hook is called once per plugin through pluggy's hook caller (see :meth:`_each_plugin`);
+        a plugin whose call raises or returns something malformed is marked broken for the
+        concern and contributes nothing, while every other plugin's contributions still arrive.
+
+        Two plugins contributing the same name: the one whose implementation pluggy orders first
+        by priority (``tryfirst`` over plain over ``trylast``) replaces the other, which is
+        recorded as *shadowed* (not a problem: the order was asked for). At equal priority the
+        clash is a conflict: the plugin registered later is broken for the concern. Contributions
+        are listed highest priority first, then in registration order.
         """
         if concern not in CONCERN_HOOKS:
             raise ValueError(f"unknown concern {concern!r}; known: {', '.join(CONCERN_HOOKS)}")
@@ -328,42 +346,102 @@ class MilesPluginManager:
             if concern in self._contributions:
                 return list(self._contributions[concern])
             hook_name = CONCERN_HOOKS[concern]
-            impls = {impl.plugin_name: impl for impl in getattr(self._pm.hook, hook_name).get_hookimpls()}
-            seen: dict[str, Contribution] = {}
-            out: list[Contribution] = []
-            for record in self._records.values():
-                impl = impls.get(record.name)
-                if impl is None or record.status == "blocked":
+            offered: list[tuple[int, int, PluginRecord, list[Any]]] = []
+            for record, results in self._each_plugin(hook_name, concern):
+                if results is None:
                     continue
                 try:
-                    result = impl.function()
-                    objects = _validate_contributions(result, hook_name)
+                    objects = _validate_contributions(results, hook_name)
                 except Exception as exc:
-                    record.problems.append(
-                        Problem("hook", f"{hook_name} raised {_describe(exc)}", concern, _traceback())
-                    )
+                    record.problems.append(Problem("hook", f"{hook_name} {exc}", concern, _traceback()))
                     self._fail(record)
                     continue
+                position = list(self._records.values()).index(record)
+                offered.append((-self._priority(hook_name, record), position, record, objects))
+            seen: dict[str, tuple[int, Contribution]] = {}
+            out: list[Contribution] = []
+            for rank, _, record, objects in sorted(offered, key=lambda o: o[:2]):
                 names: list[str] = []
                 for obj in objects:
                     if obj.name in seen:
-                        other = seen[obj.name].plugin
+                        first_rank, first = seen[obj.name]
+                        if first_rank < rank:
+                            record.shadowed.setdefault(concern, []).append(f"{obj.name} (by {first.plugin.name})")
+                            continue
                         record.problems.append(
                             Problem(
                                 "conflict",
-                                f"{concern} {obj.name!r} is already provided by plugin {other.label}",
+                                f"{concern} {obj.name!r} is already provided by plugin {first.plugin.label}"
+                                " (give one implementation tryfirst=True to replace the other on purpose)",
                                 concern,
                             )
                         )
                         self._fail(record)
                         continue
                     contribution = Contribution(concern, obj.name, obj, record)
-                    seen[obj.name] = contribution
+                    seen[obj.name] = (rank, contribution)
                     out.append(contribution)
                     names.append(obj.name)
                 record.contributes[concern] = names
             self._contributions[concern] = out
             return list(out)
+
+    def _priority(self, hook_name: str, record: PluginRecord) -> int:
+        """2 for a ``tryfirst`` implementation, 0 for ``trylast``, 1 otherwise."""
+        for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
+            if impl.plugin_name == record.name and not (impl.wrapper or impl.hookwrapper):
+                return 2 if impl.tryfirst else 0 if impl.trylast else 1
+        return 1
+
+    def _each_plugin(
+        self, hook_name: str, concern: str, **kwargs: object
+    ) -> Iterator[tuple[PluginRecord, list[Any] | None]]:
+        """Call ``hook_name`` once per implementing plugin, in pluggy's call order, through a
+        subset of pluggy's own hook caller that holds that plugin's implementation and every
+        wrapper (``wrapper=True`` / ``hookwrapper=True``) of the hook.
+
+        So ``tryfirst``/``trylast`` order the calls and wrappers wrap each one, as pluggy
+        defines them, while each result stays attributed to the one plugin that made it (a
+        wrapper sees and may change that plugin's result list). An exception is blamed on the
+        implementation whose frame it passed through: the plugin's own (that plugin is broken for
+        the concern), else the wrapper that raised it (that wrapper's plugin is broken for the
+        concern and left out of the remaining calls, and the call is made again without it).
+        Yields ``(record, results)`` where ``results`` is pluggy's list of return values, or
+        ``None`` when the plugin's call failed (the problem is recorded by then).
+        """
+        impls = getattr(self._pm.hook, hook_name).get_hookimpls()
+        wrappers = [i for i in impls if i.wrapper or i.hookwrapper]
+        order: list[object] = []
+        for impl in reversed(impls):  # pluggy calls its list back to front
+            if not (impl.wrapper or impl.hookwrapper) and impl.plugin not in order:
+                order.append(impl.plugin)
+        dropped: list[object] = []
+        for plugin in order:
+            record = self._records[_plugin_name(impls, plugin)]
+            own = [i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper)]
+            while True:
+                others = [p for p in order if p is not plugin] + dropped
+                try:
+                    results = self._pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+                except Exception as exc:
+                    live = [w for w in wrappers if w.plugin not in dropped]
+                    wrapper = None if _passed_through(exc, own) else _innermost(exc, live)
+                    if wrapper is None:
+                        record.problems.append(
+                            Problem("hook", f"{hook_name} raised {_describe(exc)}", concern, _traceback())
+                        )
+                        self._fail(record)
+                        yield record, None
+                        break
+                    culprit = self._records[wrapper.plugin_name]
+                    culprit.problems.append(
+                        Problem("hook", f"{hook_name} wrapper raised {_describe(exc)}", concern, _traceback())
+                    )
+                    self._fail(culprit)
+                    dropped.append(wrapper.plugin)
+                    continue
+                yield record, results
+                break
 
     def collect_all(self) -> None:
         """Call every contribution hook once (what ``miles plugins list`` shows)."""
@@ -454,28 +532,14 @@ class MilesPluginManager:
             if self._commands_added:
                 return
             self._commands_added = True
-            for impl in self._pm.hook.miles_commands.get_hookimpls():
-                record = self._records[impl.plugin_name]
-                before = dict(cli.commands)
-                try:
-                    impl.function(cli=cli)
-                except Exception as exc:
+            before = dict(cli.commands)
+            for record, results in self._each_plugin("miles_commands", "commands", cli=cli):
+                if results is None:  # its hook raised: drop whatever it added before raising
                     cli.commands.clear()
                     cli.commands.update(before)
-                    record.problems.append(
-                        Problem(
-                            "hook",
-                            f"miles_commands raised {_describe(exc)}",
-                            "commands",
-                            _traceback(),
-                        )
-                    )
-                    self._fail(record)
                     continue
                 clobbered = [n for n, cmd in before.items() if cli.commands.get(n) is not cmd]
                 if clobbered:
-                    cli.commands.clear()
-                    cli.commands.update(before)
                     record.problems.append(
                         Problem(
                             "conflict",
@@ -483,9 +547,12 @@ class MilesPluginManager:
                             "commands",
                         )
                     )
+                    cli.commands.clear()
+                    cli.commands.update(before)
                     self._fail(record)
                     continue
                 record.contributes["commands"] = sorted(set(cli.commands) - set(before))
+                before = dict(cli.commands)
 
 
 def fingerprint_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
@@ -506,18 +573,49 @@ def fingerprint_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any])
     return diffs or ["fingerprint digests differ"]
 
 
-def _validate_contributions(result: Any, hook_name: str) -> list[Any]:
-    if result is None:
-        raise TypeError(f"{hook_name} returned None; return a list (possibly empty)")
-    if isinstance(result, (str, bytes)) or not isinstance(result, (list, tuple)):
-        raise TypeError(f"{hook_name} must return a list, got {type(result).__name__}")
-    for obj in result:
+def _validate_contributions(results: list[Any], hook_name: str) -> list[Any]:
+    """The objects of one plugin's call; ``results`` is pluggy's list of its return values
+    (pluggy leaves out ``None``, so an empty list means the implementation returned ``None``)."""
+    if not results:
+        raise TypeError("returned None; return a list (possibly empty)")
+    objects: list[Any] = []
+    for result in results:
+        if isinstance(result, (str, bytes)) or not isinstance(result, (list, tuple)):
+            raise TypeError(f"must return a list, got {type(result).__name__}")
+        objects.extend(result)
+    for obj in objects:
         name = getattr(obj, "name", None)
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{hook_name} returned {obj!r} without a non-empty str 'name'")
+            raise TypeError(f"returned {obj!r} without a non-empty str 'name'")
         if not callable(getattr(obj, "verify", None)):
-            raise TypeError(f"{hook_name} returned {name!r} without a callable verify()")
-    return list(result)
+            raise TypeError(f"returned {name!r} without a callable verify()")
+    return objects
+
+
+def _plugin_name(impls: Iterable[pluggy.HookImpl], plugin: object) -> str:
+    return next(i.plugin_name for i in impls if i.plugin is plugin)
+
+
+def _passed_through(exc: BaseException, impls: Iterable[pluggy.HookImpl]) -> bool:
+    """Whether ``exc`` propagated through a frame of one of ``impls`` (it raised there or below)."""
+    codes = {getattr(i.function, "__code__", None) for i in impls}
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _innermost(exc: BaseException, impls: Iterable[pluggy.HookImpl]) -> pluggy.HookImpl | None:
+    """The implementation among ``impls`` whose frame is deepest in ``exc``'s traceback."""
+    by_code = {getattr(i.function, "__code__", None): i for i in impls}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        found = by_code.get(tb.tb_frame.f_code, found)
+        tb = tb.tb_next
+    return found
 
 
 def _traceback() -> str:

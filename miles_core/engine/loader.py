@@ -13,6 +13,7 @@ import torch
 from miles_core.engine.base import InvalidRequestError, require_model_dir
 from miles_core.engine.slot_cache import SUPPORTED_LAYER_TYPES
 from miles_core.errors import ConfigError
+from miles_core.hardware import devices
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -30,12 +31,7 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but CUDA is not available")
-    return resolved
+    return devices.resolve_device(device)  # auto: the active hardware backend's device
 
 
 def resolve_dtype(dtype: str, config: Any) -> torch.dtype:

@@ -47,6 +47,10 @@ CAPABILITIES: Mapping[str, str] = MappingProxyType(
         "nvml": "the NVIDIA Management Library serves telemetry and CPU affinity",
         "triton": "Triton kernels run on the device",
         "device_graphs": "device graph capture (CUDA graphs, HIP graphs)",
+        "varlen_flash_attention": (
+            "torch.nn.attention.varlen's variable-length flash kernel may be tried on the device in half "
+            "precision (packed attention probes it once and falls back per document if it does not run)"
+        ),
     }
 )
 

@@ -12,7 +12,7 @@ class CudaBackend(HardwareBackend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_noset_envs = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",)
     capabilities = frozenset(
-        {"pinned_memory_async_copy", "mm_out_dtype_fp32", "nvml", "triton", "device_graphs"}
+        {"pinned_memory_async_copy", "mm_out_dtype_fp32", "nvml", "triton", "device_graphs", "varlen_flash_attention"}
     )
     ci_hardware = "cuda"
     checkpoint_io = CheckpointIOPolicy(

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from miles_core.hardware.devices import device_supports
 from miles_core.patches.packing import PACKING_KWARG, PackedSequences, current_packed_sequences
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedSequenc
 
 
 def _varlen_kernel(q: torch.Tensor) -> VarlenKernel | None:
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in (torch.float16, torch.bfloat16) or not device_supports(q.device, "varlen_flash_attention"):
         return None
     return _cuda_varlen()
 

@@ -4,7 +4,7 @@ Layout of ``<out_dir>/checkpoints/step_000010/``::
 
     model/                config.json, model.safetensors, tokenizer files (loads with from_pretrained)
     optimizer.safetensors optimizer state (tensors) + optimizer.json (its structure)
-    rng.safetensors       torch (and CUDA) generator states + rng.json (python's state, structure)
+    rng.safetensors       torch (and the accelerator's) generator states + rng.json (python's state, structure)
     state.json            step, data cursor, weight version, config, and the size and sha256 of
                           every other file -- written last: its presence marks the checkpoint complete
 
@@ -27,12 +27,16 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles_core.errors import ConfigError, MilesError
+from miles_core.hardware.devices import device_rng_state, restore_device_rng_state
 from miles_core.rl.tensor_tree import TreeError, load_tree, save_tree
+
+if TYPE_CHECKING:
+    from miles_core.rl.trainers.base import Trainer
 
 STATE = "state.json"
 RNG = "rng"
@@ -70,7 +74,7 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / STATE).is_file())
 
 
-def save_checkpoint(out_dir: Path, trainer: Any, state: LoopState, keep: int) -> Path:
+def save_checkpoint(out_dir: Path, trainer: Trainer, state: LoopState, keep: int) -> Path:
     """Write the checkpoint of ``state`` (see the module doc); returns its directory.
 
     A full disk raises :class:`CheckpointError` in one line naming the directory and the bytes
@@ -116,8 +120,9 @@ def save_checkpoint(out_dir: Path, trainer: Any, state: LoopState, keep: int) ->
 
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device = device_rng_state()  # the active hardware backend's devices (None on the host)
+    if device is not None:
+        state["cuda"] = device  # the key checkpoints have always used for the device generators
     return state
 
 
@@ -181,8 +186,8 @@ def restore_rng(checkpoint: Path) -> None:
         torch.set_rng_state(state["torch"])
     except (TreeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {checkpoint}: unusable RNG state ({exc})") from None
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device_rng_state() is not None:
+        restore_device_rng_state(state["cuda"])
 
 
 def _seal(directory: Path) -> dict[str, dict[str, Any]]:
@@ -242,7 +247,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> None:
     # run.out_dir is where the run lives, not what it computes: a moved run, or one named by a
     # relative path, is the same run
     ignored = {("run", "steps"), ("run", "progress"), ("run", "plot"), ("run", "out_dir"), ("orchestrator", "kind"),
-               ("orchestrator", "address"), ("run", "checkpoint_every"), ("run", "keep_checkpoints")}
+               ("orchestrator", "address"), ("run", "checkpoint_every"), ("run", "keep_checkpoints"),
+               ("run", "trackers"), ("run", "tracker_options")}
     diffs = []
     for section, values in current.items():
         for key, value in values.items():

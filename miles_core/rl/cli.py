@@ -19,6 +19,7 @@ _FLAG_SETTINGS = {
     "ray_address": "orchestrator.address",
     "backend": "trainer.backend",
     "rollout": "rollout.path",
+    "algorithm": "algorithm.name",
     "task": "task.name",
     "model_path": "model.path",
 }
@@ -40,11 +41,12 @@ _FLAG_SETTINGS = {
 @click.option("--out", default=None, help="run directory for metrics.jsonl, plot.png, checkpoints/ (run.out_dir).")
 @click.option("--checkpoint-every", type=int, default=None, help="checkpoint each N steps; 0: only at the end (run.checkpoint_every).")
 @click.option("--resume", is_flag=True, help="continue from the latest complete checkpoint in the run directory.")
-@click.option("--orchestrator", type=click.Choice(["inprocess", "ray"]), default=None,
-              help="where the engine, trainer and rollout workers run (orchestrator.kind).")
+@click.option("--orchestrator", default=None,
+              help="where the engine, trainer and rollout workers run: inprocess, ray, or a plugin's (orchestrator.kind).")
 @click.option("--ray-address", default=None, help="Ray cluster address; implies --orchestrator ray (orchestrator.address).")
-@click.option("--backend", type=click.Choice(["hf", "megatron"]), default=None, help="trainer backend (trainer.backend).")
-@click.option("--rollout", type=click.Choice(["direct", "agentic"]), default=None, help="rollout path (rollout.path).")
+@click.option("--backend", default=None, help="trainer backend: hf, megatron, or a plugin's (trainer.backend).")
+@click.option("--rollout", default=None, help="rollout function: direct, agentic, or a plugin's (rollout.path).")
+@click.option("--algorithm", default=None, help="RL algorithm: grpo, dr-grpo, gspo, or a plugin's (algorithm.name).")
 @click.option("--task", default=None, help="task name from the miles_tasks hook (task.name).")
 @click.option("--model-path", default=None, help="local Hugging Face model directory instead of a preset model (model.path).")
 @click.option("--no-progress", is_flag=True, help="no live progress bar.")
@@ -60,7 +62,10 @@ def train(
     as_json: bool,
     **flags: Any,
 ) -> None:
-    """Train a policy with RL: rollouts -> rewards -> GRPO/PPO update -> weight sync, per step.
+    """Train a policy with RL: rollouts -> rewards -> advantages and policy update -> weight sync, per step.
+
+    The algorithm, rollout function, trainer backend, orchestrator and trackers are plugin
+    contributions named in the config (`miles plugins list` shows what is installed).
 
     `miles train --preset tiny` runs the whole loop on a 2-core CPU in under a minute: the tiny
     Qwen3.5 model learns to answer "n+1=", rollouts go through the session server, answers are
@@ -81,7 +86,9 @@ def train(
     if no_progress:
         layered.append({"run": {"progress": False}})
     layered.extend(overrides)
-    config = load_config(preset, config_file, layered)
+    from miles_core.plugins import get_plugin_manager
+
+    config = load_config(preset, config_file, layered, pm=get_plugin_manager())
     if print_config:
         click.echo(json.dumps(config.to_dict(), indent=2))
         return
@@ -93,7 +100,6 @@ def train(
     if config.orchestrator.kind == "ray":
         require("ray", "orchestrator.kind = 'ray'")
 
-    from miles_core.plugins import get_plugin_manager
     from miles_core.rl.orchestrators import run_training
 
     result = run_training(config, get_plugin_manager(), resume=resume)

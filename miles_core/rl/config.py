@@ -6,6 +6,12 @@ meaning; an unknown key, a wrong type or an inconsistent combination raises
 :class:`~miles_core.errors.ConfigError` naming the setting (``rollout.samples_per_prompt``) and the
 rule, before any model, engine or worker starts.
 
+``rollout.path``, ``algorithm.name``, ``trainer.backend``, ``orchestrator.kind`` and
+``run.trackers`` name plugin contributions; :func:`load_config` checks them against what is
+installed (:mod:`miles_core.rl.registry`: an unknown name gets the installed ones and a "did you
+mean"), together with the rules that depend on the selected objects (a setting the selected one
+does not read, an algorithm's smallest group, the rollout fields it needs).
+
 Importing this module costs pydantic only (no torch).
 """
 
@@ -15,11 +21,14 @@ import copy
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from miles_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
 
 
 class _Section(BaseModel):
@@ -52,10 +61,10 @@ class TaskSection(_Section):
 class RolloutSection(_Section):
     """How completions are produced."""
 
-    path: Literal["direct", "agentic"] = Field(
+    path: str = Field(
         "direct",
-        description="direct: batched token-in generation through the engine; "
-        "agentic: episodes speak OpenAI chat through the session server",
+        description="rollout function (miles_rollout_functions): direct, batched token-in generation through "
+        "the engine; agentic, episodes speak OpenAI chat through the session server",
     )
     prompts_per_step: int = Field(16, ge=1, description="prompts drawn per step")
     samples_per_prompt: int = Field(8, ge=1, description="completions per prompt (the GRPO group size)")
@@ -76,10 +85,10 @@ class RewardSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    """GRPO advantages with a PPO-style clipped importance ratio against the rollout log-probs."""
+    """The RL algorithm (advantage estimator + policy loss) and the update schedule."""
 
-    name: Literal["grpo"] = Field("grpo", description="advantage estimator: group-normalised rewards")
-    scale_by_std: bool = Field(True, description="divide group-centred rewards by the group std")
+    name: str = Field("grpo", description="algorithm (miles_algorithms): grpo, dr-grpo, gspo, or a plugin's")
+    scale_by_std: bool = Field(True, description="divide group-centred rewards by the group std (grpo, gspo)")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     clip_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - clip_low")
@@ -94,7 +103,9 @@ class AlgorithmSection(_Section):
 class TrainerSection(_Section):
     """The trainer backend."""
 
-    backend: Literal["hf", "megatron"] = Field("hf", description="hf: transformers + torch; megatron: megatron-core")
+    backend: str = Field(
+        "hf", description="trainer backend (miles_trainer_backends): hf, transformers + torch; megatron, megatron-core"
+    )
     device: str = Field("auto", description="auto (the selected hardware backend's device), cpu or cuda[:N]")
     max_tokens_per_row: int = Field(4096, ge=8, description="token budget of one packed training row")
     packing: bool = Field(True, description="pack documents into rows with position_ids restarting at 0")
@@ -116,7 +127,7 @@ class TrainerSection(_Section):
 class OrchestratorSection(_Section):
     """Where the engine, trainer and rollout workers run."""
 
-    kind: Literal["inprocess", "ray"] = Field("inprocess", description="inprocess (one machine) or ray")
+    kind: str = Field("inprocess", description="orchestrator (miles_orchestrators): inprocess (one process) or ray")
     address: str | None = Field(None, description="Ray cluster address; implies kind = ray")
     rollout_workers: int = Field(1, ge=1, description="rollout worker actors (ray)")
     num_cpus_per_actor: float = Field(0.5, gt=0, description="CPUs reserved per actor in the placement group")
@@ -142,6 +153,16 @@ class RunSection(_Section):
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads on CPU")
     progress: bool = Field(True, description="live progress bar on stderr")
     plot: bool = Field(True, description="write plot.png when the run ends")
+    trackers: tuple[str, ...] = Field(
+        ("jsonl",),
+        description="experiment trackers (miles_trackers) each step's metrics go to: jsonl (metrics.jsonl, "
+        "always), tensorboard, wandb, mlflow",
+    )
+    tracker_options: dict[str, dict[str, str | int | float | bool]] = Field(
+        default_factory=dict,
+        description="per-tracker options, [run.tracker_options.<tracker>]; credentials only as references "
+        "(env:NAME or file:/path)",
+    )
 
 
 class TrainConfig(_Section):
@@ -158,10 +179,8 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        if self.rollout.path == "direct" and self.rollout.max_turns != 1:
-            raise ValueError("rollout.max_turns > 1 needs rollout.path = 'agentic' (direct is single-turn)")
-        if self.algorithm.name == "grpo" and self.rollout.samples_per_prompt < 2:
-            raise ValueError("rollout.samples_per_prompt must be >= 2 for grpo (a group needs two samples)")
+        """Rules between settings; the rules that depend on the selected plugin objects are in
+        :func:`miles_core.rl.registry.check_config`."""
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if self.algorithm.minibatches > batch:
             raise ValueError(
@@ -169,14 +188,6 @@ class TrainConfig(_Section):
             )
         if self.run.stop_at_accuracy is not None and self.run.eval_every == 0:
             raise ValueError("run.stop_at_accuracy needs run.eval_every > 0")
-        if self.trainer.backend != "hf" and self.trainer.world_size > 1:
-            raise ValueError("trainer.world_size > 1 needs trainer.backend = 'hf' (FSDP2)")
-        if self.trainer.backend != "hf" and self.trainer.compile:
-            raise ValueError("trainer.compile needs trainer.backend = 'hf'")
-        if self.trainer.backend != "megatron" and self.trainer.mtp_num_layers:
-            raise ValueError("trainer.mtp_num_layers needs trainer.backend = 'megatron'")
-        if self.orchestrator.address is not None and self.orchestrator.kind != "ray":
-            raise ValueError("orchestrator.address is set: orchestrator.kind must be 'ray'")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,8 +283,19 @@ def load_config(
     preset: str | None = None,
     file: str | Path | None = None,
     overrides: Iterable[str | Mapping[str, Any]] = (),
+    *,
+    pm: MilesPluginManager | None = None,
 ) -> TrainConfig:
-    """Build and validate the configuration from its layers (see module doc)."""
+    """Build and validate the configuration from its layers (see module doc).
+
+    ``pm`` (default: the process-wide plugin manager) holds the algorithms, rollout functions,
+    trainer backends, orchestrators and trackers the names are checked against. The selected
+    algorithm's own defaults apply to the settings no layer sets.
+    """
+    from miles_core.plugins import get_plugin_manager
+    from miles_core.rl import registry
+
+    pm = pm if pm is not None else get_plugin_manager()
     data: dict[str, Any] = {}
     source = "defaults"
     if preset is not None:
@@ -287,10 +309,13 @@ def load_config(
     for override in overrides:
         data = _apply_layer(data, parse_override(override) if isinstance(override, str) else override)
         source = "overrides"
+    data = _merge({"algorithm": registry.algorithm_defaults(pm, data)}, data)
     try:
-        return TrainConfig.model_validate(data)
+        config = TrainConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
+    registry.check_config(config, pm, source)
+    return config
 
 
 def format_validation_error(exc: ValidationError, source: str) -> str:

@@ -1,13 +1,18 @@
 """The RL loop, top to bottom.
 
+    resolve      <- task, algorithm, rollout function, trainer backend, orchestrator, trackers:
+                    each named in the config, looked up in the plugin registries and verified,
+                    before anything is built
+    build        <- the orchestrator places the engine, trainer and rollout (here or in Ray actors)
     for each step:
         prompts      <- the sampler (seeded permutation per epoch; its cursor is checkpointed)
-        trajectories <- rollout (direct: batched token-in generation; agentic: session server)
+        trajectories <- the rollout function (direct: batched token-in generation; agentic: the
+                        session server; or a plugin's)
         rewards      <- the task's reward (in-process, or one batched check in a warm sandbox)
-        advantages   <- GRPO group normalisation
-        update       <- packed rows, PPO-clipped loss against the rollout log-probs, optimizer step
+        advantages   <- the algorithm's estimator (GRPO: group normalisation)
+        update       <- packed rows, the algorithm's policy loss, optimizer step (in the trainer)
         sync         <- the trainer's weights into the engine (new weight version)
-        record       <- one JSONL line; a checkpoint every N steps
+        record       <- one record to every tracker (metrics.jsonl first); a checkpoint every N steps
 
 Greedy evaluation (every prompt, temperature 0) runs at the start of a step, on the policy that
 is about to produce that step's rollouts, and once more when the run ends.
@@ -20,10 +25,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_json_atomic
+from miles_core.plugins import MilesPluginManager
+from miles_core.rl import registry
+from miles_core.rl.algorithms.base import Algorithm
+from miles_core.rl.algorithms.batch import TrainDocument
 from miles_core.rl.checkpoint import (
     LoopState,
     check_resumable,
@@ -35,7 +43,13 @@ from miles_core.rl.checkpoint import (
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.metrics import MetricsLog, Progress, plot_run
 from miles_core.rl.rollout.types import Trajectory
+from miles_core.rl.runtime import Parts, Runtime, resolve_parts
 from miles_core.rl.tasks import Prompt
+from miles_core.rl.trackers.base import MetricValue, Tracker
+from miles_core.rl.trackers.recorder import Recorder
+
+Record = dict[str, MetricValue]
+Build = Callable[[TrainConfig, MilesPluginManager, Parts], Runtime]
 
 
 class PromptSampler:
@@ -79,10 +93,10 @@ class RunResult:
     final_accuracy: float | None
     stopped_early: bool
     seconds: float
-    records: list[dict[str, Any]]
-    report: dict[str, Any]
+    records: list[Record]
+    report: dict[str, object]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         last = self.records[-1] if self.records else {}
         return {
             "out_dir": str(self.out_dir),
@@ -120,46 +134,54 @@ class _Span:
         self.timer.split[self.key] = self.timer.split.get(self.key, 0.0) + elapsed
 
 
-def evaluate(runtime: Any, prompts: Sequence[Prompt]) -> float:
+def evaluate(runtime: Runtime, prompts: Sequence[Prompt]) -> float:
     """Share of prompts whose greedy completion earns reward 1."""
     trajectories = runtime.evaluator.run(prompts, step=0, greedy=True)
     rewards = runtime.rewards.score([t.reward_input() for t in trajectories])
     return sum(1 for r in rewards if r >= 1.0) / len(rewards)
 
 
-def make_documents(trajectories: Sequence[Trajectory], rewards: Sequence[float], group_size: int, scale_by_std: bool) -> list[Any]:
+def make_documents(algorithm: Algorithm, trajectories: Sequence[Trajectory], rewards: Sequence[float],
+                   config: TrainConfig) -> list[TrainDocument]:
+    """One training document per trajectory, carrying the algorithm's advantage for it."""
     import torch
 
-    from miles_core.rl.algorithms import group_advantages
-
-    advantages = group_advantages(torch.tensor(rewards), group_size, scale_by_std=scale_by_std)
-    return [t.document(float(a)) for t, a in zip(trajectories, advantages, strict=True)]
+    group_size = config.rollout.samples_per_prompt
+    advantages = algorithm.advantages(torch.tensor(rewards), group_size, config.algorithm)
+    if tuple(advantages.shape) != (len(trajectories),):
+        raise RuntimeError(
+            f"algorithm {algorithm.name!r} returned advantages of shape {tuple(advantages.shape)} "
+            f"for {len(trajectories)} samples"
+        )
+    return [t.document(float(a)) for t, a in zip(trajectories, advantages.tolist(), strict=True)]
 
 
 def train(
     config: TrainConfig,
-    pm: Any,
+    pm: MilesPluginManager,
     *,
     resume: bool = False,
-    build: Callable[[TrainConfig, Any], Any] | None = None,
+    build: Build | None = None,
 ) -> RunResult:
-    """Run (or resume) training; ``build`` assembles the runtime (in-process by default)."""
+    """Run (or resume) training; ``build`` assembles the runtime (default: ``orchestrator.kind``'s)."""
     out_dir = Path(config.run.out_dir)
     metrics = MetricsLog(out_dir / "metrics.jsonl")
     checkpoint = _resume_point(out_dir, config) if resume else None
     if not resume and metrics.read():
         raise ConfigError(f"run.out_dir: {out_dir} already holds a run (metrics.jsonl); pass --resume or another --out")
+    parts = resolve_parts(config, pm)
+    trackers = registry.trackers(pm, config)
     if build is None:
-        from miles_core.rl.runtime import build_inprocess as build
+        build = registry.orchestrator(pm, config).build
     started = time.perf_counter()
-    runtime = build(config, pm)
+    runtime = build(config, pm, parts)
     try:
-        return _run(config, runtime, metrics, checkpoint, started)
+        return _run(config, runtime, metrics, trackers, checkpoint, started)
     finally:
         runtime.close()
 
 
-def _checkpoint(config: TrainConfig, runtime: Any, sampler: PromptSampler, step: int, version: str) -> int:
+def _checkpoint(config: TrainConfig, runtime: Runtime, sampler: PromptSampler, step: int, version: str) -> int:
     """Save the state after ``step``; returns ``step``."""
     state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
     save_checkpoint(Path(config.run.out_dir), runtime.trainer, state, config.run.keep_checkpoints)
@@ -177,9 +199,10 @@ def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
     return checkpoint
 
 
-def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Path | None, started: float) -> RunResult:
-    task, rollout_cfg, run_cfg = runtime.task, config.rollout, config.run
-    prompts = list(task.prompts())
+def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: Sequence[Tracker],
+         checkpoint: Path | None, started: float) -> RunResult:
+    task, algorithm, rollout_cfg, run_cfg = runtime.parts.task, runtime.parts.algorithm, config.rollout, config.run
+    prompts = list(task.prompts)
     sampler = PromptSampler(prompts, rollout_cfg.prompts_per_step, run_cfg.seed)
     first_step, version = 0, runtime.engine.weight_version
     if checkpoint is not None:
@@ -192,6 +215,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
         first_step = state.step + 1
     records = metrics.read()
     initial_accuracy = next((r["greedy_accuracy"] for r in records if r.get("greedy_accuracy") is not None), None)
+    recorder = Recorder.open(trackers, config, resume=checkpoint is not None, first_step=first_step)
     progress = Progress(run_cfg.steps, first_step, run_cfg.progress)
     accuracy, stopped_early, step = None, False, first_step - 1
     saved_step = first_step - 1  # the step the newest checkpoint holds
@@ -213,11 +237,11 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
                     break
 
             batch = [p for p in sampler.next() for _ in range(rollout_cfg.samples_per_prompt)]
-            with timer.time(f"rollout_{runtime.rollout_via}"):
+            with timer.time(f"rollout_{runtime.rollout.label}"):
                 trajectories = runtime.rollout.run(batch, step)
             with timer.time(f"reward_{runtime.rewards.where}"):
                 rewards = runtime.rewards.score([t.reward_input() for t in trajectories])
-            docs = make_documents(trajectories, rewards, rollout_cfg.samples_per_prompt, config.algorithm.scale_by_std)
+            docs = make_documents(algorithm, trajectories, rewards, config)
             with timer.time("train"):
                 stats = runtime.trainer.train(docs)
             with timer.time("sync"):
@@ -225,8 +249,8 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
 
             step_time = time.perf_counter() - step_started
             generated = sum(t.generated_tokens for t in trajectories)
-            rollout_time = timer.split[f"rollout_{runtime.rollout_via}"]
-            record = {
+            rollout_time = timer.split[f"rollout_{runtime.rollout.label}"]
+            record: Record = {
                 "step": step,
                 "weight_version": version,
                 "reward_mean": sum(rewards) / len(rewards),
@@ -242,7 +266,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
                 "train_tokens_per_s": stats["train_tokens"] / timer.split["train"],
                 "elapsed_s": round(time.perf_counter() - started, 3),
             }
-            metrics.append(record)
+            recorder.log(record)
             progress.update(record)
             if run_cfg.checkpoint_every and (step + 1) % run_cfg.checkpoint_every == 0:
                 saved_step = _checkpoint(config, runtime, sampler, step, version)
@@ -254,6 +278,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
             accuracy = evaluate(runtime, prompts)
     finally:
         progress.close()
+        recorder.close()
     records = metrics.read()
     if run_cfg.plot and records:
         final = (step + 1, accuracy) if accuracy is not None else None
@@ -266,7 +291,7 @@ def _run(config: TrainConfig, runtime: Any, metrics: MetricsLog, checkpoint: Pat
         stopped_early=stopped_early,
         seconds=time.perf_counter() - started,
         records=records,
-        report=runtime.trainer.report,
+        report=dict(runtime.trainer.report),
     )
     write_json_atomic(Path(run_cfg.out_dir) / "summary.json", result.summary())
     return result

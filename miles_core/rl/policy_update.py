@@ -1,8 +1,10 @@
 """One policy update over a step's documents, shared by every trainer backend.
 
 A backend supplies ``forward(row) -> logits [T, vocab]`` (and optionally a frozen reference
-forward for the KL penalty); this module owns minibatching, packing, the loss and its
-normalisation, gradient clipping and the statistics every run reports.
+forward for the KL penalty); the algorithm (:class:`~miles_core.rl.algorithms.base.Algorithm`)
+supplies the per-token policy loss and how it is aggregated; this module owns minibatching,
+packing, the entropy and KL terms, normalisation, gradient clipping and the statistics every run
+reports.
 """
 
 from __future__ import annotations
@@ -12,26 +14,53 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from miles_core.rl.algorithms import (
-    PackedRow,
-    TrainDocument,
-    clipped_policy_loss,
+from miles_core.rl.algorithms.base import Algorithm, TokenBatch
+from miles_core.rl.algorithms.batch import PackedRow, TrainDocument, pack_documents
+from miles_core.rl.algorithms.losses import (
+    MinibatchTotals,
+    aggregation_weights,
     entropy_from_logits,
     kl_k3,
-    pack_documents,
     token_logprobs,
 )
-from miles_core.rl.config import AlgorithmSection
+from miles_core.rl.config import AlgorithmSection, TrainConfig
 
 Forward = Callable[[PackedRow], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
+    """What one update needs besides the model: the algorithm, its settings and the row layout.
+
+    ``budget`` is one sequence's generation budget (``rollout.max_new_tokens`` x
+    ``rollout.max_turns``), which the ``budget`` aggregation divides by.
+    """
+
     algorithm: AlgorithmSection
     temperature: float
     max_tokens_per_row: int
     packing: bool
+    method: Algorithm | None = None  # None: GRPO
+    budget: float = 1.0
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, algorithm: Algorithm, *, packing: bool | None = None) -> UpdateSettings:
+        return cls(
+            algorithm=config.algorithm,
+            temperature=config.rollout.temperature,
+            max_tokens_per_row=config.trainer.max_tokens_per_row,
+            packing=config.trainer.packing if packing is None else packing,
+            method=algorithm,
+            budget=float(config.rollout.max_new_tokens * config.rollout.max_turns),
+        )
+
+    @property
+    def objective(self) -> Algorithm:
+        if self.method is not None:
+            return self.method
+        from miles_core.rl.algorithms.builtin import GRPO
+
+        return GRPO()
 
 
 @dataclass(frozen=True)
@@ -45,19 +74,15 @@ class DataParallel:
 
     rank: int
     world_size: int
+    #: this rank's device; the process group's backend (the hardware backend's) reduces tensors there
+    device: torch.device = torch.device("cpu")
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         import torch.distributed as dist
 
-        tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return tensor.tolist()
-
-
-def _collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def shard_documents(docs: Sequence[TrainDocument], world_size: int) -> list[list[TrainDocument]]:
@@ -74,25 +99,29 @@ def shard_documents(docs: Sequence[TrainDocument], world_size: int) -> list[list
 
 def _rows_for_rank(
     minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None
-) -> tuple[list[PackedRow], float, int]:
-    """This rank's rows, the minibatch's trained-token count over all ranks, and how many rows are real.
+) -> tuple[list[PackedRow], MinibatchTotals, int]:
+    """This rank's rows, the minibatch's totals over all ranks, and how many rows are real.
 
     With data parallelism every rank runs as many rows as the busiest one (FSDP's forward and
     backward are collectives); the extra rows are copies of a real row with the loss mask zeroed.
     """
+    totals = MinibatchTotals(
+        tokens=float(sum(sum(d.loss_mask) for d in minibatch)),
+        sequences=float(sum(1 for d in minibatch if any(d.loss_mask))),
+        budget=settings.budget,
+    )
     if dp is None:
         rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing)
-        return rows, sum(float(r.loss_mask.sum()) for r in rows), len(rows)
+        return rows, totals, len(rows)
     per_rank = [
         pack_documents(shard, settings.max_tokens_per_row, packing=settings.packing) if shard else []
         for shard in shard_documents(minibatch, dp.world_size)
     ]
-    n_tokens = sum(float(r.loss_mask.sum()) for rows in per_rank for r in rows)
     rows = per_rank[dp.rank]
     real = len(rows)
     filler = next(r for rows_ in per_rank for r in rows_)
     filler = replace(filler, loss_mask=torch.zeros_like(filler.loss_mask))
-    return rows + [filler] * (max(len(r) for r in per_rank) - real), n_tokens, real
+    return rows + [filler] * (max(len(r) for r in per_rank) - real), totals, real
 
 
 def split_minibatches(docs: Sequence[TrainDocument], n: int) -> list[list[TrainDocument]]:
@@ -124,12 +153,19 @@ def policy_update(
     measures only numerics (packing leaks, dtype, kernel differences).
     ``extra_loss(row)`` adds a backend's auxiliary loss (MTP), already scaled.
 
+    The minibatch's loss is ``sum_t w_t * (policy_t - entropy_coef * entropy_t + kl_coef * kl_t)``
+    with the per-token policy loss of the algorithm and the weights ``w`` of its aggregation
+    (``token-mean``: one over the minibatch's trained tokens). ``loss`` in the statistics is that
+    objective per trained token (times the trained tokens of its minibatch, summed, over all
+    trained tokens: for ``token-mean``, the mean per-token loss).
+
     With ``dp`` (an FSDP2-sharded model on every rank), each rank trains its share of every
-    minibatch; the loss is normalised by the minibatch's tokens over all ranks and scaled by the
-    world size (FSDP averages gradients over ranks), so the gradients and statistics equal a
+    minibatch; the weights use the minibatch's totals over all ranks and the loss is scaled by
+    the world size (FSDP averages gradients over ranks), so the gradients and statistics equal a
     single process's on the whole minibatch.
     """
     algo = settings.algorithm
+    method = settings.objective
     params = [p for p in params if p.requires_grad]
     sums: dict[str, float] = {}
     mismatch_max, mismatch_sum, mismatch_n = 0.0, 0.0, 0
@@ -137,10 +173,11 @@ def policy_update(
     updates = 0
     for epoch in range(algo.epochs):
         for mb_index, minibatch in enumerate(split_minibatches(docs, algo.minibatches)):
-            rows, n_tokens, real_rows = _rows_for_rank(minibatch, settings, dp)
-            if n_tokens == 0:
+            rows, totals, real_rows = _rows_for_rank(minibatch, settings, dp)
+            if totals.tokens == 0:
                 continue
-            scale = (dp.world_size if dp else 1) / n_tokens
+            world = dp.world_size if dp else 1
+            scale = world / totals.tokens  # turns the objective back into per-token sums for the stats
             optimizer.zero_grad(set_to_none=True)
             for row_index, row in enumerate(rows):
                 logits = forward(row)
@@ -148,22 +185,22 @@ def policy_update(
                 targets = row.targets.to(device)
                 mask = row.loss_mask.to(device)
                 rollout_lp = row.rollout_logprobs.to(device)
+                doc_index = row.doc_index.to(device)
                 logprobs = token_logprobs(logits, targets, settings.temperature)
-                per_token, stats = clipped_policy_loss(
-                    logprobs, rollout_lp, row.advantages.to(device), mask,
-                    clip_low=algo.clip_low, clip_high=algo.clip_high,
-                )
+                batch = TokenBatch(logprobs, rollout_lp, row.advantages.to(device), mask, doc_index, row.num_docs)
+                policy = method.policy_loss(batch, algo)
                 entropy = entropy_from_logits(logits, settings.temperature)
-                loss = per_token.sum()
+                per_token = policy.per_token
                 if algo.entropy_coef:
-                    loss = loss - algo.entropy_coef * (entropy * mask).sum()
+                    per_token = per_token - algo.entropy_coef * entropy * mask
                 if reference is not None and algo.kl_coef:
                     with torch.no_grad():
                         ref_lp = token_logprobs(reference(row), targets, settings.temperature)
                     kl_ref = kl_k3(logprobs, ref_lp) * mask
-                    loss = loss + algo.kl_coef * kl_ref.sum()
+                    per_token = per_token + algo.kl_coef * kl_ref
                     _add(sums, "kl_ref", float(kl_ref.detach().sum()))
-                loss = loss * scale
+                weights = aggregation_weights(method.aggregation, mask, doc_index, row.num_docs, totals)
+                loss = (per_token * weights).sum() * world
                 if extra_loss is not None:
                     loss = loss + extra_loss(row) / len(rows)
                 loss.backward()
@@ -176,7 +213,7 @@ def policy_update(
                     _add(sums, "loss", float(loss.detach()) / scale)
                     _add(sums, "entropy", float((entropy.detach() * mask).sum()))
                     _add(sums, "approx_kl", float((kl_k3(logprobs.detach(), rollout_lp) * mask).sum()))
-                    _add(sums, "clip_fraction", float(stats["clipped"].sum()))
+                    _add(sums, "clip_fraction", float((policy.clipped * mask).sum()))
                     _add(sums, "trained_tokens", float(mask.sum()))
                     if row_index < real_rows:
                         _add(sums, "row_tokens", float(row.num_tokens))

@@ -1,28 +1,59 @@
-"""Assemble a run's parts in this process: engine, trainer, rollout path, rewards.
+"""A run's parts: the plugin objects it uses (:class:`Parts`, resolved and verified before anything
+is built) and the built pieces the loop talks to (:class:`Runtime`), assembled in this process.
 
-:class:`Runtime` is what the loop talks to. The Ray orchestrator builds the same object with the
-engine and trainer replaced by actor proxies (:mod:`miles_core.rl.orchestrators.ray`); nothing
-in the loop knows the difference.
+The Ray orchestrator builds the same :class:`Runtime` with the engine, trainer and rollout
+replaced by actor proxies (:mod:`miles_core.rl.orchestrators.ray`); nothing in the loop knows the
+difference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles_core.errors import ConfigError
+from miles_core.plugins import MilesPluginManager
+from miles_core.rl import registry
 from miles_core.rl.aio import BackgroundLoop
+from miles_core.rl.algorithms.base import Algorithm
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.rewards import RewardRunner
-from miles_core.rl.rollout.direct import DirectRollout
-from miles_core.rl.tasks import Task, resolve_reward
+from miles_core.rl.rollout.base import GenerationEngine, Rollout, RolloutContext, RolloutFunction, Tokenizer
+from miles_core.rl.tasks import TrainableTask, resolve_reward, trainable
+from miles_core.rl.trainers.base import Trainer, TrainerBackend
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_core.rl.rollout.direct import DirectRollout
 
 
-def resolve_task(config: TrainConfig, pm: Any) -> Task:
-    contribution = pm.contribution("tasks", config.task.name)
-    pm.verify(contribution, contribution.obj.verify)
-    return contribution.obj
+@dataclass(frozen=True)
+class Parts:
+    """The plugin objects a run uses, each resolved by name and verified."""
+
+    task: TrainableTask
+    algorithm: Algorithm
+    rollout: RolloutFunction
+    trainer: TrainerBackend
+
+
+def resolve_task(config: TrainConfig, pm: MilesPluginManager) -> TrainableTask:
+    """The configured task, verified, with its defaults (or a ConfigError naming what it lacks)."""
+    contribution = registry.resolve(pm, "tasks", config.task.name, "task.name", "task")
+    reward = resolve_reward(config.task.reward) if config.task.reward else None
+    return trainable(contribution.obj, reward)
+
+
+def resolve_parts(config: TrainConfig, pm: MilesPluginManager) -> Parts:
+    return Parts(
+        task=resolve_task(config, pm),
+        algorithm=registry.algorithm(pm, config),
+        rollout=registry.rollout_function(pm, config),
+        trainer=registry.trainer_backend(pm, config),
+    )
 
 
 def model_directory(config: TrainConfig) -> Path:
@@ -36,18 +67,11 @@ def model_directory(config: TrainConfig) -> Path:
     return preset_dir(config.model.preset)
 
 
-def resolve_device(setting: str) -> Any:
+def resolve_device(setting: str) -> torch.device:
     """``auto``: the device of the selected hardware backend (activated and verified)."""
-    import torch
+    from miles_core.hardware.devices import resolve_device as hardware_device
 
-    if setting != "auto":
-        device = torch.device(setting)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"trainer.device: {setting!r} requested but CUDA is not available")
-        return device
-    from miles_core.hardware import activate
-
-    return torch.device(activate().device)
+    return hardware_device(setting, "trainer.device")
 
 
 def engine_batch_size(config: TrainConfig, num_prompts: int) -> int:
@@ -57,19 +81,17 @@ def engine_batch_size(config: TrainConfig, num_prompts: int) -> int:
 
 @dataclass
 class Runtime:
-    """The parts of a run; ``close()`` releases them in reverse order of creation."""
+    """The built parts of a run; ``close()`` releases them in reverse order of creation."""
 
     config: TrainConfig
-    task: Task
-    tokenizer: Any
-    engine: Any
-    trainer: Any
-    rollout: Any  # DirectRollout or AgenticRollout: run(prompts, step) -> trajectories
-    evaluator: DirectRollout
+    parts: Parts
+    engine: GenerationEngine
+    trainer: Trainer
+    rollout: Rollout
+    evaluator: DirectRollout  # greedy evaluation: every prompt, temperature 0, through the engine
     rewards: RewardRunner
     aio: BackgroundLoop
-    rollout_via: str  # labels the rollout entry of the time split
-    closers: list[Any] = field(default_factory=list)
+    closers: list[Callable[[], None]] = field(default_factory=list)
 
     def sync_weights(self, version: str) -> str:
         """Copy the trainer's weights into the engine as ``version``; returns the engine's version."""
@@ -86,17 +108,6 @@ class Runtime:
             raise errors[0]
 
 
-def build_rollout(config: TrainConfig, task: Task, engine: Any, tokenizer: Any, model_dir: Path,
-                  aio: BackgroundLoop, pm: Any, closers: list[Any]) -> tuple[Any, str]:
-    if config.rollout.path == "direct":
-        return DirectRollout(engine, tokenizer, config.rollout, config.run.seed), "direct"
-    from miles_core.rl.rollout.agentic import AgenticRollout
-
-    agentic = AgenticRollout.start(config, engine, tokenizer, aio, pm, model_dir, getattr(task, "tools", ()))
-    closers.append(agentic.close)
-    return agentic, f"session_{config.rollout.session_version}"
-
-
 def freeze_startup_heap() -> None:
     """Move everything built so far (torch, transformers, the models: ~500k objects) out of the
     cyclic garbage collector's reach. Otherwise every full collection rescans all of it while
@@ -108,43 +119,42 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def build_inprocess(config: TrainConfig, pm: Any) -> Runtime:
+def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runtime:
     """Trainer first (it refuses unsafe models before anything else starts), then the engine."""
     import torch
     from transformers import AutoTokenizer
 
     from miles_core.engine.engine import Engine, EngineConfig
-    from miles_core.rl.trainers.base import trainer_class
+    from miles_core.rl.rollout.direct import DirectRollout
 
     torch.set_num_threads(config.run.torch_threads)
     torch.manual_seed(config.run.seed)
-    task = resolve_task(config, pm)
-    reward = resolve_reward(config.task.reward) if config.task.reward else task.reward
     model_dir = model_directory(config)
     device = resolve_device(config.trainer.device)
-    trainer = trainer_class(config.trainer.backend)(model_dir, config, device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = parts.trainer.create(model_dir, config, device, parts.algorithm)
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_dir)
     aio = BackgroundLoop()
-    closers: list[Any] = [getattr(trainer, "close", lambda: None), aio.close]
-    engine = Engine.from_pretrained(
-        model_dir,
-        EngineConfig(
-            max_batch_size=engine_batch_size(config, len(task.prompts())),
-            dtype=config.model.dtype,
-            device=str(device),
-            seed=config.run.seed,
-            cpu_threads=config.run.torch_threads,
-        ),
-    )
-    closers.append(engine.close)
+    closers: list[Callable[[], None]] = [trainer.close, aio.close]
     try:
-        rewards = RewardRunner(reward, config.reward, pm, aio)
+        engine = Engine.from_pretrained(
+            model_dir,
+            EngineConfig(
+                max_batch_size=engine_batch_size(config, len(parts.task.prompts)),
+                dtype=config.model.dtype,
+                device=str(device),
+                seed=config.run.seed,
+                cpu_threads=config.run.torch_threads,
+            ),
+        )
+        closers.append(engine.close)
+        rewards = RewardRunner(parts.task.reward, config.reward, pm, aio)
         closers.append(rewards.close)
-        rollout, via = build_rollout(config, task, engine, tokenizer, model_dir, aio, pm, closers)
+        rollout = parts.rollout.start(RolloutContext(config, parts.task, engine, tokenizer, model_dir, aio, pm))
+        closers.append(rollout.close)
     except BaseException:
         for close in reversed(closers):
             close()
         raise
     evaluator = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
     freeze_startup_heap()
-    return Runtime(config, task, tokenizer, engine, trainer, rollout, evaluator, rewards, aio, via, closers)
+    return Runtime(config, parts, engine, trainer, rollout, evaluator, rewards, aio, closers)

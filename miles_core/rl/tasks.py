@@ -9,11 +9,16 @@ A task is a fixed set of prompts plus a reward. A reward is one of:
   rewards that only compare strings).
 
 ``task.reward = "module:attr"`` in the config replaces a task's reward with either kind.
+
+What training needs from a task is ``name``, ``prompts()`` and ``reward``; ``description``,
+``has_accuracy`` and ``tools`` have defaults (:func:`trainable`), and ``miles train`` refuses a
+task that lacks what it needs before it builds anything, naming what is missing.
 Importing this module is cheap (no torch).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -101,21 +106,96 @@ class SandboxTool:
 
 @runtime_checkable
 class Task(Protocol):
-    """An RL task contributed through ``miles_tasks``."""
+    """An RL task contributed through ``miles_tasks``.
+
+    Optional attributes (:func:`trainable` fills them in): ``description: str`` (default: the
+    name), ``has_accuracy: bool`` -- whether "greedy accuracy", the share of prompts whose greedy
+    completion scores 1, is meaningful (default ``True``) -- and ``tools:
+    tuple[SandboxTool, ...]``, the tools agentic episodes may call (default: none).
+    """
 
     name: str
-    description: str
     #: the reward: a :class:`SandboxReward` or an in-process :data:`RewardFn`
     reward: SandboxReward | RewardFn
-    #: whether "greedy accuracy" (share of prompts whose greedy completion scores 1) is meaningful
-    has_accuracy: bool
-    #: tools agentic episodes may call (optional; an empty tuple when absent)
-    tools: tuple[SandboxTool, ...]
 
     def prompts(self) -> Sequence[Prompt]: ...
 
     def verify(self) -> None:
-        """Check the task is usable: prompts exist, ids unique, the reward is well formed."""
+        """Check the task is usable: prompts exist, ids unique, the reward scores a known answer."""
+
+
+@dataclass(frozen=True)
+class TrainableTask:
+    """A task as a run uses it: prompts built once, the reward (or its replacement), defaults filled."""
+
+    name: str
+    description: str
+    prompts: tuple[Prompt, ...]
+    reward: SandboxReward | RewardFn
+    has_accuracy: bool
+    tools: tuple[SandboxTool, ...]
+
+
+def trainable(task: object, reward: SandboxReward | RewardFn | None = None) -> TrainableTask:
+    """``task`` with its defaults, or a ConfigError naming everything training would miss.
+
+    ``reward`` replaces the task's own (``task.reward`` in the config). Checked: ``prompts()``
+    returns at least one :class:`Prompt`; the reward is a :class:`SandboxReward` or a callable
+    taking the batch (``reward(inputs: list[RewardInput]) -> list[float]``); ``has_accuracy`` is a
+    bool and ``tools`` holds :class:`SandboxTool` objects, when present.
+    """
+    name = str(getattr(task, "name", "?"))
+    problems: list[str] = []
+    prompts: tuple[Prompt, ...] = ()
+    make_prompts = getattr(task, "prompts", None)
+    if not callable(make_prompts):
+        problems.append("prompts(): the method returning its Prompt list is missing")
+    else:
+        built = tuple(make_prompts())
+        wrong = [type(p).__name__ for p in built if not isinstance(p, Prompt)]
+        if not built:
+            problems.append("prompts() returned no prompts")
+        elif wrong:
+            problems.append(f"prompts() must return miles_core.rl.tasks.Prompt objects, got {wrong[0]}")
+        prompts = built
+    chosen = reward if reward is not None else getattr(task, "reward", None)
+    if chosen is None:
+        problems.append("reward: missing (a SandboxReward, or a callable reward(inputs) -> list[float])")
+    elif not isinstance(chosen, SandboxReward):
+        problem = _reward_signature_problem(chosen)
+        if problem:
+            problems.append(problem)
+    has_accuracy = getattr(task, "has_accuracy", True)
+    if not isinstance(has_accuracy, bool):
+        problems.append(f"has_accuracy must be a bool, got {type(has_accuracy).__name__}")
+    tools = tuple(getattr(task, "tools", ()) or ())
+    if any(not isinstance(t, SandboxTool) for t in tools):
+        problems.append("tools must hold miles_core.rl.tasks.SandboxTool objects")
+    if problems:
+        raise ConfigError(
+            f"task {name!r} cannot be trained: " + "; ".join(problems)
+            + " (the task protocol is miles_core.rl.tasks.Task; see docs/train.md, 'Writing a task')"
+        )
+    return TrainableTask(name, str(getattr(task, "description", name)), prompts, chosen, has_accuracy, tools)  # type: ignore[arg-type]
+
+
+def _reward_signature_problem(reward: object) -> str | None:
+    """Why ``reward`` is not a batch reward ``reward(inputs)`` (None if it is one)."""
+    if not callable(reward):
+        return f"reward must be a SandboxReward or a callable reward(inputs) -> list[float], got {type(reward).__name__}"
+    try:
+        parameters = list(inspect.signature(reward).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters) or (len(required) <= 1 <= len(positional)):
+        return None
+    shown = ", ".join(p.name for p in positional) or "nothing"
+    return (
+        f"reward must take one argument, the batch (reward(inputs: list[RewardInput]) -> list[float]); "
+        f"it takes ({shown})"
+    )
 
 
 def resolve_reward(spec: str) -> SandboxReward | RewardFn:

@@ -38,12 +38,21 @@ def test_model_path_replaces_preset_model():
         ("rollout.max_turns=3", "rollout.max_turns > 1 needs rollout.path = 'agentic'"),
         ("trainer.mtp_num_layers=1", "trainer.mtp_num_layers needs trainer.backend = 'megatron'"),
         ('orchestrator.address="ray://h:10001"', "orchestrator.address is set"),
-        ('trainer.backend="jax"', "trainer.backend: Input should be 'hf' or 'megatron'"),
+        ('trainer.backend="jax"', "trainer.backend: unknown trainer backend 'jax' (installed: hf, megatron)"),
+        ('algorithm.name="gpro"', "algorithm.name: unknown algorithm 'gpro' (installed: dr-grpo, grpo, gspo); did you mean 'grpo'?"),
+        ('rollout.path="agentic-x"', "did you mean 'agentic'?"),
+        ('orchestrator.kind="rey"', "orchestrator.kind: unknown orchestrator 'rey' (installed: inprocess, ray); did you mean 'ray'?"),
+        ('run.trackers=["jsonl", "tensorbord"]', "run.trackers: unknown tracker 'tensorbord'"),
+        ('run.trackers=["tensorboard"]', "run.trackers must include 'jsonl'"),
+        ("rollout.concurrency=3", "rollout.concurrency = 3 needs rollout.path = 'agentic' (rollout.path 'direct' does not use it)"),
+        ("trainer.mtp_loss_coef=0.5", "trainer.mtp_loss_coef = 0.5 needs trainer.backend = 'megatron' (trainer.backend 'hf' does not use it)"),
+        ("orchestrator.rollout_workers=2", "orchestrator.rollout_workers > 1 needs orchestrator.kind = 'ray'"),
+        ('run.tracker_options.wandb.mode="offline"', "run.tracker_options.wandb is set but run.trackers does not include 'wandb'"),
         ("algorithm.minibatches=1000", "algorithm.minibatches (1000) exceeds the samples per step"),
     ],
 )
 def test_bad_settings_name_the_setting(override, needle):
-    base = [] if "max_turns" not in override else ['rollout.path="direct"']
+    base = ['rollout.path="direct"'] if "max_turns" in override or "concurrency" in override else []
     with pytest.raises(ConfigError) as info:
         load_config("tiny", overrides=[*base, override])
     assert needle in str(info.value)

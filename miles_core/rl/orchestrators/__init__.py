@@ -1,17 +1,18 @@
-"""Where a run's parts live: in this process (default) or in Ray actors (``orchestrator.kind``)."""
+"""Where a run's parts live: :mod:`.base` (the protocol), :mod:`.builtin` (``inprocess``, ``ray``),
+:mod:`.ray` (the Ray actors) and :mod:`.fingerprint` (the plugin check every worker runs)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from miles_core.rl.config import TrainConfig
+if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
+    from miles_core.rl.config import TrainConfig
+    from miles_core.rl.loop import RunResult
 
 
-def run_training(config: TrainConfig, pm: Any, *, resume: bool = False) -> Any:
+def run_training(config: TrainConfig, pm: MilesPluginManager, *, resume: bool = False) -> RunResult:
+    """Train with the orchestrator ``orchestrator.kind`` selects (the loop resolves it)."""
     from miles_core.rl.loop import train
 
-    if config.orchestrator.kind == "ray":
-        from miles_core.rl.orchestrators.ray import build_ray
-
-        return train(config, pm, resume=resume, build=build_ray)
     return train(config, pm, resume=resume)

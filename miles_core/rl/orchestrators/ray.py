@@ -15,12 +15,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_core.errors import ActivationError, MilesError
+from miles_core.plugins import MilesPluginManager
+from miles_core.rl import registry
 from miles_core.rl.aio import BackgroundLoop
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.orchestrators.fingerprint import FingerprintMismatch, check_fingerprint
 from miles_core.rl.rewards import RewardRunner
-from miles_core.rl.runtime import Runtime, engine_batch_size, model_directory, resolve_task
-from miles_core.rl.tasks import Prompt, resolve_reward
+from miles_core.rl.rollout.types import Trajectory
+from miles_core.rl.runtime import Parts, Runtime, engine_batch_size, model_directory, resolve_task
+from miles_core.rl.tasks import Prompt
 
 
 class EngineWorker:
@@ -90,13 +93,15 @@ class TrainerWorker:
 
         import torch
 
+        from miles_core.plugins import get_plugin_manager
         from miles_core.rl.runtime import resolve_device
-        from miles_core.rl.trainers.base import trainer_class
 
         check_fingerprint(expected, "trainer")
+        pm = get_plugin_manager()
+        backend, algorithm = registry.trainer_backend(pm, config), registry.algorithm(pm, config)
         torch.set_num_threads(config.run.torch_threads)
         torch.manual_seed(config.run.seed)
-        self.trainer = trainer_class(config.trainer.backend)(Path(model_dir), config, resolve_device(config.trainer.device))
+        self.trainer = backend.create(Path(model_dir), config, resolve_device(config.trainer.device), algorithm)
 
     def fingerprint(self) -> dict[str, Any]:
         from miles_core.plugins import get_plugin_manager
@@ -104,16 +109,20 @@ class TrainerWorker:
         return get_plugin_manager().fingerprint()
 
     def close(self) -> None:
-        getattr(self.trainer, "close", lambda: None)()
+        self.trainer.close()
 
     def report(self) -> dict[str, Any]:
-        return self.trainer.report
+        return dict(self.trainer.report)
 
     def train(self, docs: Sequence[Any]) -> dict[str, float]:
         return self.trainer.train(docs)
 
     def engine_weights(self) -> dict[str, Any]:
-        return {k: v.cpu() for k, v in self.trainer.engine_weights().items()}
+        from miles_core.hardware.devices import to_host
+
+        weights = self.trainer.engine_weights()
+        assert isinstance(weights, dict)
+        return to_host(weights)  # the object store holds host memory; the backend says how to copy
 
     def save(self, directory: str) -> None:
         from pathlib import Path
@@ -127,36 +136,35 @@ class TrainerWorker:
 
 
 class RolloutWorker:
-    """Runs a slice of each step's rollouts: direct through the engine actor, or agentic
-    episodes through the session server the engine actor hosts."""
+    """Runs a slice of each step's rollouts with the configured rollout function, against the
+    engine actor (direct) or the session server the engine actor hosts (``session_url``)."""
 
     def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any], engine: Any,
                  session_url: str | None) -> None:
+        from pathlib import Path
+
         from transformers import AutoTokenizer
 
         from miles_core.plugins import get_plugin_manager
+        from miles_core.rl.rollout.base import RolloutContext
 
         check_fingerprint(expected, "rollout")
+        pm = get_plugin_manager()
+        function = registry.rollout_function(pm, config)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.aio = BackgroundLoop()
-        if session_url is None:
-            from miles_core.rl.rollout.direct import DirectRollout
+        context = RolloutContext(config, resolve_task(config, pm), _RayEngine(engine), tokenizer, Path(model_dir),
+                                 self.aio, pm, session_url)
+        self.rollout = function.start(context)
 
-            self.rollout: Any = DirectRollout(_EngineHandle(engine), tokenizer, config.rollout, config.run.seed)
-        else:
-            from miles_core.rl.rollout.agentic import AgenticRollout, tool_sandbox
-
-            pm = get_plugin_manager()
-            tools = getattr(resolve_task(config, pm), "tools", ())
-            sandbox = tool_sandbox(config, pm, self.aio, tools)
-            self.rollout = AgenticRollout(session_url, tokenizer, config.rollout, config.run.seed, self.aio, tools, sandbox)
-
-    def run(self, prompts: Sequence[Prompt], step: int, first_index: int) -> list[Any]:
+    def run(self, prompts: Sequence[Prompt], step: int, first_index: int) -> list[Trajectory]:
         return self.rollout.run(prompts, step, first_index=first_index)
 
+    def label(self) -> str:
+        return self.rollout.label
+
     def close(self) -> None:
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.rollout.close()
         self.aio.close()
 
 
@@ -193,6 +201,8 @@ class _RayEngine:
 
 
 class _RayTrainer:
+    """The trainer actor as a :class:`~miles_core.rl.trainers.base.Trainer` (closed by build_ray's closers)."""
+
     def __init__(self, actor: Any, report: dict[str, Any]) -> None:
         self.actor = actor
         self.report = report
@@ -214,24 +224,31 @@ class _RayTrainer:
     def load(self, directory: Any) -> None:
         self._call("load", str(directory))
 
+    def close(self) -> None:
+        """The actor is closed with the runtime (``build_ray``'s closers)."""
+
 
 class _RayRollout:
     """Splits a batch across rollout workers in contiguous slices; results in batch order."""
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    def __init__(self, workers: Sequence[Any], label: str) -> None:
         self.workers = list(workers)
+        self.label = label
 
-    def run(self, prompts: Sequence[Prompt], step: int) -> list[Any]:
+    def close(self) -> None:
+        """The workers are closed with the runtime (``build_ray``'s closers)."""
+
+    def run(self, prompts: Sequence[Prompt], step: int, *, first_index: int = 0) -> list[Trajectory]:
         import ray
 
         n = len(self.workers)
         size = -(-len(prompts) // n)
-        refs = [w.run.remote(list(prompts[i * size:(i + 1) * size]), step, i * size)
+        refs = [w.run.remote(list(prompts[i * size:(i + 1) * size]), step, first_index + i * size)
                 for i, w in enumerate(self.workers) if prompts[i * size:(i + 1) * size]]
         return [t for part in ray.get(refs) for t in part]
 
 
-def build_ray(config: TrainConfig, pm: Any) -> Runtime:
+def build_ray(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runtime:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -240,8 +257,7 @@ def build_ray(config: TrainConfig, pm: Any) -> Runtime:
     from miles_core.hardware import activate
     from miles_core.rl.rollout.direct import DirectRollout
 
-    task = resolve_task(config, pm)
-    reward = resolve_reward(config.task.reward) if config.task.reward else task.reward
+    task = parts.task
     model_dir = str(model_directory(config))
     orch = config.orchestrator
     hardware = activate()
@@ -270,7 +286,7 @@ def build_ray(config: TrainConfig, pm: Any) -> Runtime:
 
         trainer_actor = actor(TrainerWorker, 1, "train", orch.num_gpus_trainer).remote(config, model_dir, expected)
         engine_actor = actor(EngineWorker, 0, "rollout", orch.num_gpus_engine).remote(
-            config, model_dir, expected, len(task.prompts()))
+            config, model_dir, expected, len(task.prompts))
         closers.append(lambda: ray.get(engine_actor.close.remote()))
         closers.append(lambda: ray.get(trainer_actor.close.remote()))
         report = ray.get(trainer_actor.report.remote())
@@ -279,22 +295,22 @@ def build_ray(config: TrainConfig, pm: Any) -> Runtime:
             raise FingerprintMismatch(
                 f"trainer and engine applied different patches: {trainer_print['applied_patches']} vs "
                 f"{engine_print['applied_patches']}")
-        session_url = ray.get(engine_actor.serve_sessions.remote()) if config.rollout.path == "agentic" else None
+        session_url = ray.get(engine_actor.serve_sessions.remote()) if parts.rollout.session_server else None
         workers = [actor(RolloutWorker, 2 + i, "rollout").remote(config, model_dir, expected, engine_actor, session_url)
                    for i in range(orch.rollout_workers)]
         closers.append(lambda: ray.get([w.close.remote() for w in workers]))
         aio = BackgroundLoop()
         closers.append(aio.close)
-        rewards = RewardRunner(reward, config.reward, pm, aio)
+        rewards = RewardRunner(task.reward, config.reward, pm, aio)
         closers.append(rewards.close)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         engine = _RayEngine(engine_actor)
         evaluator = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
-        via = "direct" if session_url is None else f"session_{config.rollout.session_version}"
+        labels = ray.get([w.label.remote() for w in workers])
         report = {**report, "orchestrator": "ray", "fingerprint": expected["digest"],
                   "actors": {"engine": 1, "trainer": 1, "rollout": orch.rollout_workers}}
-        return Runtime(config, task, tokenizer, engine, _RayTrainer(trainer_actor, report), _RayRollout(workers),
-                       evaluator, rewards, aio, f"{via}_ray", closers)
+        return Runtime(config, parts, engine, _RayTrainer(trainer_actor, report),
+                       _RayRollout(workers, f"{labels[0]}_ray"), evaluator, rewards, aio, closers)
     except BaseException as exc:
         for close in reversed(closers):
             try:

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 from miles_core.rl.aio import BackgroundLoop
 from miles_core.rl.config import RolloutSection, TrainConfig
+from miles_core.rl.rollout.base import RolloutContext, Tokenizer
 from miles_core.rl.rollout.types import Trajectory, sample_seed
 from miles_core.rl.sandboxes import SandboxCallError, WarmSandbox
 from miles_core.rl.tasks import Prompt, SandboxTool
+
+if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
 
 
 class EpisodeError(RuntimeError):
@@ -34,7 +39,7 @@ UPSTREAM_RETRIES = 2
 
 
 class AgenticRollout:
-    def __init__(self, url: str, tokenizer: Any, settings: RolloutSection, run_seed: int, aio: BackgroundLoop,
+    def __init__(self, url: str, tokenizer: Tokenizer, settings: RolloutSection, run_seed: int, aio: BackgroundLoop,
                  tools: Sequence[SandboxTool] = (), sandbox: WarmSandbox | None = None) -> None:
         self.url = url
         self.tokenizer = tokenizer
@@ -43,35 +48,25 @@ class AgenticRollout:
         self.aio = aio
         self.tools = {t.name: t for t in tools}
         self.sandbox = sandbox
+        self.label = f"session_{settings.session_version}"
         self._client = aio.run(_make_client(settings.concurrency))
-        self._closers: list[Any] = []
+        self._closers: list[Callable[[], None]] = []
 
     @classmethod
-    def start(cls, config: TrainConfig, engine: Any, tokenizer: Any, aio: BackgroundLoop, pm: Any,
-              tokenizer_dir: Any, tools: Sequence[SandboxTool] = ()) -> AgenticRollout:
-        """Serve ``engine`` over HTTP and a session server in front of it, both on loopback."""
+    def start(cls, context: RolloutContext) -> AgenticRollout:
+        """Episodes against ``context.session_url`` when the orchestrator runs a session server;
+        otherwise serve the engine over HTTP and a session server in front of it, both on loopback."""
         from contextlib import ExitStack
 
-        from miles_core.engine.server import create_app
-        from miles_core.session.config import SessionServerConfig
-        from miles_core.session.embed import run_app_in_thread, serve_in_thread
-
+        config, aio, pm = context.config, context.aio, context.pm
+        tools = context.task.tools
         stack = ExitStack()
         try:
-            # served with the session server's long keep-alive: between steps the engine's
-            # connections sit idle while the trainer works, longer than uvicorn's default 5 s
-            engine_app = create_app(engine)
-            engine_url = stack.enter_context(run_app_in_thread(engine_app))
-            session_config = SessionServerConfig(
-                upstream_url=engine_url, tokenizer_dir=str(tokenizer_dir), version=config.rollout.session_version,
-            )
-            # the session server calls the engine's app in-process (same requests, errors and
-            # timeouts as over loopback HTTP, one hop less); engine_url still names it in errors
-            url = stack.enter_context(serve_in_thread(session_config, pm=pm, upstream_app=engine_app))
+            url = context.session_url or _serve_sessions(stack, context)
             sandbox = tool_sandbox(config, pm, aio, tools)
             if sandbox is not None:
                 stack.callback(sandbox.close)
-            rollout = cls(url, tokenizer, config.rollout, config.run.seed, aio, tools, sandbox)
+            rollout = cls(url, context.tokenizer, config.rollout, config.run.seed, aio, tools, sandbox)
         except BaseException:
             stack.close()
             raise
@@ -175,7 +170,26 @@ class AgenticRollout:
             close()
 
 
-def tool_sandbox(config: TrainConfig, pm: Any, aio: BackgroundLoop, tools: Sequence[SandboxTool]) -> WarmSandbox | None:
+def _serve_sessions(stack: ExitStack, context: RolloutContext) -> str:
+    """The engine's HTTP app on loopback and a session server in front of it; the latter's URL."""
+    from miles_core.engine.server import create_app
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import run_app_in_thread, serve_in_thread
+
+    # served with the session server's long keep-alive: between steps the engine's connections
+    # sit idle while the trainer works, longer than uvicorn's default 5 s
+    engine_app = create_app(context.engine)
+    engine_url = stack.enter_context(run_app_in_thread(engine_app))
+    session_config = SessionServerConfig(
+        upstream_url=engine_url, tokenizer_dir=str(context.model_dir), version=context.config.rollout.session_version,
+    )
+    # the session server calls the engine's app in-process (same requests, errors and timeouts as
+    # over loopback HTTP, one hop less); engine_url still names it in errors
+    return stack.enter_context(serve_in_thread(session_config, pm=context.pm, upstream_app=engine_app))
+
+
+def tool_sandbox(config: TrainConfig, pm: MilesPluginManager, aio: BackgroundLoop,
+                 tools: Sequence[SandboxTool]) -> WarmSandbox | None:
     """A warm sandbox with every tool's program installed (``None`` when there are no tools)."""
     if not tools:
         return None

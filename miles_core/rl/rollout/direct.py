@@ -9,14 +9,18 @@ or its Ray actor proxy).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles_core.rl.config import RolloutSection
+from miles_core.rl.rollout.base import GenerationEngine, Tokenizer
 from miles_core.rl.rollout.types import Trajectory, sample_seed
 from miles_core.rl.tasks import Prompt
 
+if TYPE_CHECKING:
+    from miles_core.engine.base import Completion, SamplingParams
 
-def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+
+def render_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
     """Chat-template models get the rendered chat; others the plain prompt text."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
@@ -25,7 +29,9 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 class DirectRollout:
-    def __init__(self, engine: Any, tokenizer: Any, settings: RolloutSection, run_seed: int) -> None:
+    label = "direct"
+
+    def __init__(self, engine: GenerationEngine, tokenizer: Tokenizer, settings: RolloutSection, run_seed: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
@@ -37,7 +43,7 @@ class DirectRollout:
             self._prompt_ids[prompt.id] = render_prompt(self.tokenizer, prompt)
         return self._prompt_ids[prompt.id]
 
-    def sampling(self, *, greedy: bool, seed: int | None) -> Any:
+    def sampling(self, *, greedy: bool, seed: int | None) -> SamplingParams:
         from miles_core.engine.base import SamplingParams
 
         s = self.settings
@@ -63,7 +69,10 @@ class DirectRollout:
         completions = self.engine.generate(requests)
         return [self._trajectory(p, c) for p, c in zip(prompts, completions, strict=True)]
 
-    def _trajectory(self, prompt: Prompt, completion: Any) -> Trajectory:
+    def close(self) -> None:
+        """Nothing to stop: the engine belongs to the run."""
+
+    def _trajectory(self, prompt: Prompt, completion: Completion) -> Trajectory:
         response = tuple(completion.token_ids)
         return Trajectory(
             prompt=prompt,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from miles_core.rl.algorithms import TrainDocument
 from miles_core.rl.tasks import Prompt, RewardInput
+
+if TYPE_CHECKING:
+    from miles_core.rl.algorithms.batch import TrainDocument
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class Trajectory:
         )
 
     def document(self, advantage: float) -> TrainDocument:
+        from miles_core.rl.algorithms.batch import TrainDocument
+
         return TrainDocument(self.token_ids, self.response_length, self.loss_mask, self.rollout_logprobs, advantage)
 
 

@@ -1,43 +1,69 @@
-"""What the loop needs from a trainer backend, and how backends are looked up."""
+"""Trainer backends: what the loop needs from a trainer, and what a ``miles_trainer_backends``
+contribution declares.
+
+Nothing here imports torch (plugin discovery imports this module).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from miles_core.errors import ConfigError
-from miles_core.rl.algorithms import TrainDocument
+if TYPE_CHECKING:
+    import torch
 
-#: trainer.backend -> "module:class"; the class takes (model_dir, config, device)
-BACKENDS: dict[str, str] = {
-    "hf": "miles_core.rl.trainers.hf:HFTrainer",
-    "megatron": "miles_core.rl.trainers.megatron:MegatronTrainer",
-}
+    from miles_core.rl.algorithms.base import Algorithm
+    from miles_core.rl.algorithms.batch import TrainDocument
+    from miles_core.rl.config import TrainConfig
+
+#: the trainer's weights on their way to the engine: a name -> tensor mapping in-process, or an
+#: object the orchestrator's engine resolves (a Ray object reference)
+EngineWeights = object
 
 
 class Trainer(Protocol):
     """A policy being trained. Every method is called from one thread (or one Ray actor)."""
 
     #: what the model patches and the packing guard established, for the run summary
-    report: Mapping[str, Any]
+    report: Mapping[str, object]
 
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
         """One policy update on these documents; returns the step's training statistics."""
+        ...
 
-    def engine_weights(self) -> dict[str, Any]:
+    def engine_weights(self) -> EngineWeights:
         """The current weights, named as the engine's (Hugging Face) model names them."""
+        ...
 
     def save(self, directory: Path) -> None:
         """Weights (safetensors, Hugging Face layout, under ``directory/model``) and optimizer."""
+        ...
 
     def load(self, directory: Path) -> None:
         """Restore what :meth:`save` wrote."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and memory the trainer holds."""
+        ...
 
 
-def trainer_class(backend: str) -> type:
-    from miles_core.plugins import import_object
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """A trainer backend contributed through ``miles_trainer_backends``."""
 
-    if backend not in BACKENDS:
-        raise ConfigError(f"trainer.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
-    return import_object(BACKENDS[backend])
+    #: unique name; ``trainer.backend`` selects it
+    name: str
+    description: str
+    #: ``trainer.*`` settings it reads besides backend, device, max_tokens_per_row and packing
+    settings: frozenset[str]
+
+    def create(self, model_dir: Path, config: TrainConfig, device: torch.device, algorithm: Algorithm) -> Trainer:
+        """Build the trainer for ``model_dir`` (a Hugging Face directory); heavy imports here."""
+        ...
+
+    def verify(self) -> None:
+        """Raise unless one update on a tiny model moves the weights as documented
+        (:func:`miles_core.rl.trainers.probe.check_one_update`)."""
+        ...

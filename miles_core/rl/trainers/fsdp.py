@@ -2,7 +2,8 @@
 
 The run's process is rank 0; :class:`RankGroup` spawns ranks 1..N-1, each a process that builds
 the same :class:`~miles_core.rl.trainers.hf.HFPolicy` (the model sharded with FSDP2's
-``fully_shard``, one GPU per rank on CUDA through NCCL, or gloo on CPU) and then executes the
+``fully_shard``, one device per rank over the hardware backend's collectives: NCCL on CUDA, gloo
+on CPU) and then executes the
 commands rank 0 sends it, in the same order, since each one is a collective. A command is the name
 of the ``HFPolicy`` method every rank calls (:data:`COMMANDS`): ``train`` (the step's whole document
 list; every rank trains its share, see :class:`~miles_core.rl.policy_update.DataParallel`),
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from miles_core.hardware.devices import bind_device, distributed_backend, rank_device
 from miles_core.rl.config import TrainConfig
 
 #: how long a collective waits for a rank that stopped answering before it fails
@@ -32,30 +34,13 @@ COMMANDS = frozenset({"train", "full_state", "save", "load"})
 HOST = "127.0.0.1"
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``r`` trains on ``cuda:r``; CPU ranks share the CPU."""
-    if device.type != "cuda":
-        return device
-    if rank >= torch.cuda.device_count():
-        from miles_core.errors import ConfigError
-
-        raise ConfigError(
-            f"trainer.world_size needs one GPU per rank; rank {rank} has none ({torch.cuda.device_count()} visible)"
-        )
-    return torch.device("cuda", rank)
-
-
 def init_rank(rank: int, world_size: int, store: Any, device: torch.device) -> None:
+    """Join the process group over the active hardware backend's collectives (gloo, nccl, ...)."""
     import torch.distributed as dist
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    bind_device(device)
     dist.init_process_group(
-        backend_for(device), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        distributed_backend(), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
 
 
@@ -81,6 +66,7 @@ class RankGroup:
     """Ranks 1..N-1 of a data-parallel trainer, driven from rank 0 (this process)."""
 
     def __init__(self, world_size: int, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+        """Spawn ranks 1..N-1; each resolves ``config.algorithm.name`` from its own plugins."""
         import torch.distributed as dist
 
         from miles_core.plugins import get_plugin_manager
@@ -176,6 +162,8 @@ def _rank_main(
     """A rank > 0: build the policy, then execute rank 0's commands until ``stop``."""
     import torch.distributed as dist
 
+    from miles_core.plugins import get_plugin_manager
+    from miles_core.rl import registry
     from miles_core.rl.orchestrators.fingerprint import check_fingerprint
     from miles_core.rl.policy_update import DataParallel
     from miles_core.rl.trainers.hf import HFPolicy
@@ -185,6 +173,7 @@ def _rank_main(
         torch.set_num_threads(config.run.torch_threads)
         check_fingerprint(fingerprint, f"trainer rank {rank}")
         device = rank_device(device, rank)
+        algorithm = registry.algorithm(get_plugin_manager(), config)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return
@@ -192,7 +181,7 @@ def _rank_main(
     try:
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         init_rank(rank, world_size, store, device)
-        policy = HFPolicy(model_dir, config, device, DataParallel(rank, world_size))
+        policy = HFPolicy(model_dir, config, device, DataParallel(rank, world_size, device), algorithm)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from miles_core.rl.algorithms import PackedRow, TrainDocument
+from miles_core.hardware.devices import rank_device, to_host
+from miles_core.rl.algorithms.base import Algorithm
+from miles_core.rl.algorithms.batch import PackedRow, TrainDocument
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.policy_update import DataParallel, UpdateSettings, policy_update
 from miles_core.rl.tensor_tree import load_tree, save_tree
 from miles_core.rl.trainers.compile import compile_regions
-from miles_core.rl.trainers.fsdp import RankGroup, init_rank, rank_device, shard_model
+from miles_core.rl.trainers.fsdp import RankGroup, init_rank, shard_model
 from miles_core.rl.trainers.packing_guard import check_packing_safe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -43,7 +45,8 @@ class HFPolicy:
     reference stays a whole copy on each rank (forward only, no collectives).
     """
 
-    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device, dp: DataParallel | None = None) -> None:
+    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device, dp: DataParallel | None,
+                 algorithm: Algorithm) -> None:
         from miles_core.patches import prepare_model
 
         self.model_dir = Path(model_dir)
@@ -67,14 +70,10 @@ class HFPolicy:
             if self.reference is not None:
                 compile_regions(self.reference)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
-        self.settings = UpdateSettings(
-            algorithm=algo,
-            temperature=config.rollout.temperature,
-            max_tokens_per_row=config.trainer.max_tokens_per_row,
-            packing=config.trainer.packing,
-        )
+        self.settings = UpdateSettings.from_config(config, algorithm)
         self.report = {
             "backend": "hf",
+            "algorithm": algorithm.name,
             "patches": _describe_report(patch_report),
             "packing_leak": leak,
             "compiled": compiled,
@@ -111,6 +110,7 @@ class HFPolicy:
         if self.dp is not None and self.dp.rank != 0:
             return
         directory.mkdir(parents=True, exist_ok=True)
+        state = to_host(state)  # the hardware backend's checkpoint_io says how
         self.model.save_pretrained(directory / "model", state_dict=state, safe_serialization=True)
         for name in TOKENIZER_FILES:
             if (self.model_dir / name).exists():
@@ -149,7 +149,7 @@ class HFPolicy:
 class HFTrainer:
     """The ``hf`` backend: one :class:`HFPolicy` here, plus ranks 1..N-1 when ``trainer.world_size > 1``."""
 
-    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device, algorithm: Algorithm) -> None:
         world_size = config.trainer.world_size
         self.group: RankGroup | None = None
         dp = None
@@ -159,8 +159,8 @@ class HFTrainer:
                 self.group.replies()  # every rank checked the plugin fingerprint and has its device
                 device = rank_device(device, 0)
                 init_rank(0, world_size, self.group.store, device)
-                dp = DataParallel(0, world_size)
-                self.policy = HFPolicy(model_dir, config, device, dp)
+                dp = DataParallel(0, world_size, device)
+                self.policy = HFPolicy(model_dir, config, device, dp, algorithm)
                 self.group.replies()  # every rank built its shard
             except BaseException:
                 self.group.kill()  # they may be waiting for this rank inside a collective
@@ -168,7 +168,7 @@ class HFTrainer:
                 _leave_process_group()
                 raise
         else:
-            self.policy = HFPolicy(model_dir, config, device)
+            self.policy = HFPolicy(model_dir, config, device, None, algorithm)
         self.report = self.policy.report
 
     def _everywhere(self, command: str, *args: Any) -> Any:

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 
 from miles_core.errors import ConfigError
-from miles_core.rl.algorithms import PackedRow, TrainDocument
+from miles_core.hardware.devices import to_host
+from miles_core.rl.algorithms.base import Algorithm
+from miles_core.rl.algorithms.batch import PackedRow, TrainDocument
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.policy_update import UpdateSettings, policy_update
 from miles_core.rl.tensor_tree import load_tree, save_tree
@@ -114,7 +116,7 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.T
 
 
 class MegatronTrainer:
-    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, config: TrainConfig, device: torch.device, algorithm: Algorithm) -> None:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -151,8 +153,8 @@ class MegatronTrainer:
         self._mtp_rows = 0
         algo = config.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
-        self.settings = UpdateSettings(algo, config.rollout.temperature, trainer.max_tokens_per_row, packing=False)
-        self.report = {"backend": "megatron", "mtp_num_layers": self.mtp_layers, "packing": False,
+        self.settings = UpdateSettings.from_config(config, algorithm, packing=False)
+        self.report = {"backend": "megatron", "algorithm": algorithm.name, "mtp_num_layers": self.mtp_layers, "packing": False,
                        "patches": applied}
 
     def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
@@ -214,7 +216,7 @@ class MegatronTrainer:
 
         target = directory / "model"
         target.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.contiguous().cpu() for k, v in self.engine_weights().items()}
+        weights = {k: v.contiguous() for k, v in to_host(self.engine_weights()).items()}
         if self.hf_config.tie_word_embeddings:
             weights.pop("lm_head.weight")
         save_file(weights, target / "model.safetensors", metadata={"format": "pt"})

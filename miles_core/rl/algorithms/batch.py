@@ -1,4 +1,4 @@
-"""The RL math: GRPO advantages, the clipped policy loss, KL, entropy, and batch packing.
+"""Training documents and the packed rows the trainer runs.
 
 Everything is token-aligned the way a causal LM predicts: in a packed row, position ``t`` carries
 the log-prob of token ``t + 1``; ``loss_mask[t]`` says whether that target is a trained response
@@ -12,64 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean (divided by the group's std when asked).
-
-    ``rewards`` is flat ``[n_groups * group_size]``, groups contiguous. A group whose rewards are
-    all equal gets zero advantages (no signal, no noise).
-    """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale_by_std:
-        centred = centred / (grouped.std(dim=1, keepdim=True, unbiased=False) + eps)
-    return centred.view(-1)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of each target under ``softmax(logits / temperature)``, computed in fp32.
-
-    ``targets`` may hold ``-100`` (ignored positions); their log-prob is 0.
-    """
-    logp = (logits.float() / temperature).log_softmax(dim=-1)
-    safe = targets.clamp(min=0)
-    out = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    return out.masked_fill(targets < 0, 0.0)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    logp = (logits.float() / temperature).log_softmax(dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(policy || reference), per token, always >= 0."""
-    log_ratio = ref_logprobs - logprobs
-    return log_ratio.exp() - log_ratio - 1
-
-
-def clipped_policy_loss(
-    logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate against the log-probs the rollout sampled with.
-
-    Returns the per-token loss (masked positions 0) and per-token stats (``clipped`` fraction).
-    """
-    ratio = (logprobs - rollout_logprobs).exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    mask = mask.to(loss.dtype)
-    return loss * mask, {"clipped": (clipped < unclipped).to(loss.dtype) * mask, "ratio": ratio}
 
 
 @dataclass(frozen=True)

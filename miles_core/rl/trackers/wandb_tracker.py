@@ -1,0 +1,123 @@
+"""The ``wandb`` tracker: Weights & Biases, offline by default (no network: the run directory
+``<out_dir>/wandb/offline-run-*`` can be uploaded later with ``wandb sync``).
+
+``mode`` (default: ``WANDB_MODE`` if set, else ``offline``) selects online logging; its API key is
+an option holding a reference (``api_key = "env:WANDB_API_KEY"``), resolved here and passed to the
+SDK's settings only. The run's id is kept in ``<out_dir>/trackers.json`` so ``--resume`` continues
+the same W&B run.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from miles_core.rl.trackers.base import Record, TrackerRun, numeric, secret_reference
+from miles_core.rl.trackers.state import load_state, save_state
+
+
+class WandbOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: str = Field("miles", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user)")
+    name: str | None = Field(None, description="run name (default: the run directory's name)")
+    mode: Literal["offline", "online", "disabled"] | None = Field(
+        None, description="offline (default unless WANDB_MODE is set), online, disabled"
+    )
+    api_key: str | None = Field(None, description="reference to the API key for online mode: env:NAME or file:/path")
+
+    _reference = field_validator("api_key")(secret_reference)
+
+
+class WandbSink:
+    def __init__(self, run: TrackerRun, options: WandbOptions) -> None:
+        import wandb
+
+        settings: dict[str, Any] = {"silent": True, "console": "off"}
+        if options.api_key is not None:
+            from miles_core.sandbox.secrets import SecretRef
+
+            settings["api_key"] = SecretRef.parse(options.api_key).resolve().reveal()
+        state = load_state(run.out_dir, "wandb") if run.resume else {}
+        mode = options.mode or os.environ.get("WANDB_MODE") or "offline"
+        self.run: Any = wandb.init(
+            project=options.project, entity=options.entity, name=options.name or run.name,
+            dir=str(run.out_dir), mode=mode, config=dict(run.config), id=state.get("id"),
+            resume="allow" if state else None, settings=wandb.Settings(**settings), reinit="finish_previous",
+        )
+        self.directory = Path(self.run.dir).parent  # .../wandb/<offline-run-...>, holds run-<id>.wandb
+        save_state(run.out_dir, "wandb", {"id": self.run.id})
+        self._closed = False
+
+    def log(self, step: int, record: Record) -> None:
+        self.run.log(numeric(record), step=step)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.run.finish()
+
+    def read_back(self) -> dict[int, dict[str, float]]:
+        return read_run_directory(self.directory)
+
+
+def read_run_directory(directory: Path) -> dict[int, dict[str, float]]:
+    """The history a W&B run directory's transaction log (``run-<id>.wandb``) holds."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    logs = sorted(directory.glob("run-*.wandb"))
+    if not logs:
+        raise FileNotFoundError(f"{directory} holds no run-*.wandb transaction log")
+    out: dict[int, dict[str, float]] = {}
+    for payload in _log_records(logs[-1]):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        step = int(items.pop("_step", record.history.step.num))
+        out.setdefault(step, {}).update(
+            {k: float(v) for k, v in items.items() if not k.startswith("_") and isinstance(v, (int, float))}
+        )
+    return out
+
+
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _log_records(path: Path) -> Iterator[bytes]:
+    """The payloads of W&B's transaction log: a 7-byte header (``:W&B``, magic, version), then
+    LevelDB-log blocks of 32 KiB holding records of ``checksum u32, length u16, type u8, data``."""
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B transaction log (header {data[:7]!r})")
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zero padding to the end of the block
+            pos += left
+            continue
+        payload = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == _FULL:
+            yield payload
+        elif kind == _FIRST:
+            pending = payload
+        elif kind == _MIDDLE:
+            pending += payload
+        elif kind == _LAST:
+            yield pending + payload
+            pending = b""
