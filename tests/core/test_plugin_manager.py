@@ -214,3 +214,132 @@ def test_unknown_filter_names_are_warned(miles_pm_factory) -> None:
     pm.register(make_plugin("real"), name="real")
     pm._warn_unknown_filters()
     assert pm.warnings == ["MILES_PLUGINS names 'typo-plugin', which is not an installed plugin"]
+
+
+# -- pluggy as designed: ordering, wrappers, validation ------------------------------------------
+
+
+def _impl(name: str, fn, **opts) -> object:
+    """A plugin module whose one hook implementation carries pluggy options (tryfirst, wrapper...)."""
+    import types
+
+    from miles_core.hookspecs import hookimpl
+
+    module = types.ModuleType(name)
+    fn.__name__ = fn.__name__ if fn.__name__ != "<lambda>" else opts.pop("hook")
+    setattr(module, fn.__name__, hookimpl(**opts)(fn))
+    return module
+
+
+def test_a_tryfirst_contribution_replaces_a_plain_one_of_the_same_name(miles_pm: MilesPluginManager) -> None:
+    def miles_tasks() -> list[Thing]:
+        return [Thing("t"), Thing("mine-only")]
+
+    miles_pm.register(make_plugin("core", miles_tasks=lambda: [Thing("t"), Thing("other")]), name="core")
+    miles_pm.register(_impl("fast", miles_tasks, tryfirst=True), name="fast")
+    by_name = {c.name: c.plugin.name for c in miles_pm.active_contributions("tasks")}
+    assert by_name == {"t": "fast", "mine-only": "fast", "other": "core"}
+    assert [c.plugin.name for c in miles_pm.contributions("tasks")][:2] == ["fast", "fast"]  # tryfirst first
+    core = miles_pm.get("core")
+    assert core.status == "ok" and core.shadowed == {"tasks": ["t (by fast)"]}
+    assert core.contributes == {"tasks": ["other"]}
+
+
+def test_a_trylast_contribution_loses_to_a_plain_one(miles_pm: MilesPluginManager) -> None:
+    def miles_tasks() -> list[Thing]:
+        return [Thing("t")]
+
+    miles_pm.register(_impl("fallback", miles_tasks, trylast=True), name="fallback")
+    miles_pm.register(make_plugin("normal", miles_tasks=lambda: [Thing("t")]), name="normal")
+    assert miles_pm.contribution("tasks", "t").plugin.name == "normal"
+    assert miles_pm.get("fallback").shadowed == {"tasks": ["t (by normal)"]}
+
+
+def test_tryfirst_orders_the_calls(miles_pm: MilesPluginManager) -> None:
+    calls: list[str] = []
+
+    def plain() -> list[Thing]:
+        calls.append("plain")
+        return []
+
+    def first() -> list[Thing]:
+        calls.append("first")
+        return []
+
+    def last() -> list[Thing]:
+        calls.append("last")
+        return []
+
+    for fn, name, opts in ((last, "l", {"trylast": True}), (plain, "p", {}), (first, "f", {"tryfirst": True})):
+        fn.__name__ = "miles_tasks"
+        miles_pm.register(_impl(name, fn, **opts), name=name)
+    miles_pm.contributions("tasks")
+    assert calls == ["first", "plain", "last"]
+
+
+def test_a_wrapper_wraps_each_plugins_call_and_keeps_attribution(miles_pm: MilesPluginManager) -> None:
+    seen: list[list[str]] = []
+
+    def miles_tasks():
+        results = yield
+        seen.append([t.name for result in results for t in result])
+        return [[t for t in result if t.name != "hidden"] for result in results]
+
+    miles_pm.register(make_plugin("a", miles_tasks=lambda: [Thing("x"), Thing("hidden")]), name="a")
+    miles_pm.register(make_plugin("b", miles_tasks=lambda: [Thing("y")]), name="b")
+    miles_pm.register(_impl("filter", miles_tasks, wrapper=True), name="filter")
+    got = {c.name: c.plugin.name for c in miles_pm.active_contributions("tasks")}
+    assert got == {"x": "a", "y": "b"}
+    assert sorted(seen) == [["x", "hidden"], ["y"]]  # one call per plugin, each wrapped
+
+
+def test_a_raising_wrapper_is_blamed_and_left_out(miles_pm: MilesPluginManager) -> None:
+    def miles_tasks():
+        yield
+        raise RuntimeError("wrapper bug")
+
+    miles_pm.register(make_plugin("a", miles_tasks=lambda: [Thing("x")]), name="a")
+    miles_pm.register(_impl("bad-wrapper", miles_tasks, wrapper=True), name="bad-wrapper")
+    assert [c.name for c in miles_pm.contributions("tasks")] == ["x"]  # a's contribution survives
+    assert miles_pm.get("a").status == "ok"
+    assert "miles_tasks wrapper raised RuntimeError: wrapper bug" in miles_pm.get("bad-wrapper").reason
+
+
+def test_an_error_passing_through_a_wrapper_is_the_implementations(miles_pm: MilesPluginManager) -> None:
+    def boom() -> list[Thing]:
+        raise ValueError("impl bug")
+
+    def miles_tasks():
+        return (yield)
+
+    miles_pm.register(make_plugin("broken", miles_tasks=boom), name="broken")
+    miles_pm.register(make_plugin("fine", miles_tasks=lambda: [Thing("ok")]), name="fine")
+    miles_pm.register(_impl("observer", miles_tasks, wrapper=True), name="observer")
+    assert [c.name for c in miles_pm.contributions("tasks")] == ["ok"]
+    assert "ValueError: impl bug" in miles_pm.get("broken").reason
+    assert miles_pm.get("observer").status == "ok"
+
+
+def test_unknown_hooks_fail_pluggys_validation_unless_optional(miles_pm: MilesPluginManager) -> None:
+    def miles_from_the_future() -> list[Thing]:
+        return []
+
+    miles_pm.register(_impl("newer", miles_from_the_future, optionalhook=True), name="newer")
+    assert miles_pm.get("newer").status == "ok"
+    miles_pm.register(make_plugin("typo", miles_algorithm=lambda: []), name="typo")
+    reason = miles_pm.get("typo").reason
+    assert "unknown hook(s) miles_algorithm" in reason and "unknown hook 'miles_algorithm'" in reason  # pluggy's words
+
+
+def test_the_new_concerns_are_collected(miles_pm_factory) -> None:
+    pm = miles_pm_factory(builtins=True)
+    names = {concern: sorted(c.name for c in pm.contributions(concern))
+             for concern in ("algorithms", "rollout", "trainer", "orchestrator", "trackers")}
+    assert names == {
+        "algorithms": ["dr-grpo", "grpo", "gspo"],
+        "rollout": ["agentic", "direct"],
+        "trainer": ["hf", "megatron"],
+        "orchestrator": ["inprocess", "ray"],
+        "trackers": ["jsonl", "mlflow", "tensorboard", "wandb"],
+    }
+    assert pm.get("core-rl").contributes["algorithms"] == ["grpo", "dr-grpo", "gspo"]

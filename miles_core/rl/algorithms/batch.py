@@ -50,7 +50,7 @@ class PackedRow:
     loss_mask: torch.Tensor  # float 0/1
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
-    doc_index: torch.Tensor  # which document (index into the packed list) owns each position
+    doc_index: torch.Tensor  # which of the row's documents (0 .. num_docs - 1) owns each position
     num_docs: int
 
     @property
@@ -96,7 +96,7 @@ def pack_documents(docs: Sequence[TrainDocument], max_tokens_per_row: int, *, pa
         logps: list[float] = []
         adv: list[float] = []
         owner: list[int] = []
-        for i in members:
+        for local, i in enumerate(members):
             doc = docs[i]
             t, m, lp, a = _aligned(doc)
             ids += doc.token_ids
@@ -105,7 +105,7 @@ def pack_documents(docs: Sequence[TrainDocument], max_tokens_per_row: int, *, pa
             mask += m
             logps += lp
             adv += a
-            owner += [i] * len(doc.token_ids)
+            owner += [local] * len(doc.token_ids)
         rows.append(
             PackedRow(
                 input_ids=torch.tensor(ids, dtype=torch.long),

@@ -10,6 +10,7 @@ the same W&B run.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,9 +63,41 @@ class WandbSink:
         if not self._closed:
             self._closed = True
             self.run.finish()
+            _wait_for_exit_record(self.directory)
+
 
     def read_back(self) -> dict[int, dict[str, float]]:
-        return read_run_directory(self.directory)
+        """This run's history; a resumed offline run writes a directory per process, all read here."""
+        out: dict[int, dict[str, float]] = {}
+        name = re.compile(rf"-{re.escape(self.run.id)}(-\d+)?$")  # W&B adds -1, -2 within one second
+        for directory in sorted(p for p in self.directory.parent.iterdir() if name.search(p.name)):
+            for step, values in read_run_directory(directory).items():
+                out.setdefault(step, {}).update(values)
+        return out
+
+
+#: how long close() waits for W&B's service process to write the run's exit record
+FLUSH_TIMEOUT_S = 60.0
+
+
+def _wait_for_exit_record(directory: Path) -> None:
+    """``finish()`` can return before W&B's service process has written the transaction log out;
+    the run is complete on disk once its ``exit`` record is there."""
+    import time
+
+    from wandb.proto import wandb_internal_pb2
+
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    while True:
+        for log in directory.glob("run-*.wandb"):
+            for payload in _log_records(log):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                if record.WhichOneof("record_type") == "exit":
+                    return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"W&B did not finish writing {directory} within {FLUSH_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
 
 
 def read_run_directory(directory: Path) -> dict[int, dict[str, float]]:
