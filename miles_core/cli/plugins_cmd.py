@@ -41,6 +41,9 @@ def list_plugins(as_json: bool) -> None:
         table.add_column(column, overflow="fold")
     for r in records:
         contributes = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r.contributes.items()) if v)
+        shadowed = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r.shadowed.items()) if v)
+        if shadowed:
+            contributes += f" [dim](shadowed {shadowed})[/]"
         table.add_row(
             r.name + (" [dim](built-in)[/]" if r.builtin else ""),
             f"{r.distribution or '-'} {r.version or ''}",
@@ -83,6 +86,8 @@ def show_plugin(name: str, as_json: bool) -> None:
     for concern in [*CONCERN_HOOKS, "commands"]:
         if record.contributes.get(concern):
             out.print(f"{concern}: {', '.join(record.contributes[concern])}")
+        if record.shadowed.get(concern):
+            out.print(f"{concern} shadowed by a higher-priority plugin: {', '.join(record.shadowed[concern])}")
     if record.reason:
         out.print(f"[red]reason:[/] {record.reason}")
     for problem in record.problems:
