@@ -10,7 +10,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="stage-b-cpu")
+register_cpu_ci(est_time=130, suite="stage-b-cpu")
 
 pytest.importorskip("miles_core.session.embed")
 pytest.importorskip("miles_core.engine.server")
@@ -48,3 +48,14 @@ def test_tiny_preset_refuses_without_the_packing_patch(tmp_path):
     assert "refusing to train" in proc.stderr and "miles[qwen35]" in proc.stderr
     assert "MILES_DISABLE_PLUGINS" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["dr-grpo", "gspo"])
+def test_every_builtin_algorithm_learns_the_tiny_preset(algorithm, tmp_path):
+    """`miles train --preset tiny --set algorithm.name=<it>` reaches 0.9 within the preset's own
+    step and time limits (GRPO is the preset's default, tested above)."""
+    proc = _train("--out", str(tmp_path / "run"), "--json", "--set", f"algorithm.name={algorithm}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["report"]["algorithm"] == algorithm
+    assert summary["initial_accuracy"] <= 0.2 and summary["final_accuracy"] >= 0.9 and summary["stopped_early"]
