@@ -7,11 +7,13 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.algorithms import (
     TrainDocument,
     clipped_policy_loss,
+    entropy_from_logits,
     group_advantages,
     kl_k3,
     pack_documents,
     token_logprobs,
 )
+from miles_core.rl.algorithms.builtin import BUILTIN_ALGORITHMS
 from miles_core.rl.config import AlgorithmSection
 from miles_core.rl.policy_update import UpdateSettings, policy_update, split_minibatches
 
@@ -95,9 +97,11 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
-def test_packed_update_equals_unpacked_update():
+@pytest.mark.parametrize("method", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
+def test_packed_update_equals_unpacked_update(method):
     """Differential: the same documents packed in one row or one per row give the same loss,
-    gradients and statistics (attention model: position_ids restarts are honoured)."""
+    gradients and statistics, for every built-in algorithm (attention model: position_ids restarts
+    are honoured; sequence-level algorithms find their documents in the row)."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     docs = []
@@ -113,7 +117,8 @@ def test_packed_update_equals_unpacked_update():
             return model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits[0]
 
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients, not moved weights
-        stats = policy_update(docs, forward, opt, model.parameters(), UpdateSettings(algo, 1.0, 64, packing))
+        stats = policy_update(docs, forward, opt, model.parameters(),
+                              UpdateSettings(algo, 1.0, 64, packing, method=method, budget=4.0))
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results[packing] = (stats, grads)
     (s_p, g_p), (s_u, g_u) = results[True], results[False]
@@ -135,3 +140,52 @@ def test_packing_matters_for_a_model_that_ignores_position_restarts():
         alone = model(input_ids=torch.tensor([b.token_ids]), use_cache=False).logits
     assert torch.allclose(honoured[0, 5:], alone[0], atol=1e-5)
     assert not torch.allclose(leaking[0, 5:], alone[0], atol=1e-3)
+
+
+def test_grpo_update_is_the_formula_it_always_was():
+    """GRPO through the algorithm protocol: the minibatch loss is still
+    (sum clipped-surrogate - entropy_coef * sum entropy + kl_coef * sum k3) / trained tokens, with
+    the gradient of that expression (computed here directly, the way policy_update did before)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(3)
+    docs = [TrainDocument(tuple(torch.randint(0, 32, (n,), generator=gen).tolist()), 2, (1, 1), (-3.3, -3.4), adv)
+            for n, adv in ((5, 1.0), (6, -0.5), (4, 0.25))]
+    algo = AlgorithmSection(entropy_coef=0.01, kl_coef=0.1, clip_low=0.1, clip_high=0.3, max_grad_norm=1e9)
+    model, reference = _tiny_llama(), _tiny_llama()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01)
+
+    def forward(row, model=model):
+        return model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits[0]
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = policy_update(docs, forward, opt, model.parameters(), UpdateSettings(algo, 1.0, 64, True),
+                          reference=lambda row: forward(row, reference))
+    got = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    model.zero_grad(set_to_none=True)
+    (row,) = pack_documents(docs, 64)
+    logits = forward(row)
+    logprobs = token_logprobs(logits, row.targets)
+    per_token, _ = clipped_policy_loss(logprobs, row.rollout_logprobs, row.advantages, row.loss_mask,
+                                       clip_low=0.1, clip_high=0.3)
+    with torch.no_grad():
+        ref = token_logprobs(forward(row, reference), row.targets)
+    entropy = (entropy_from_logits(logits) * row.loss_mask).sum()
+    loss = (per_token.sum() - 0.01 * entropy + 0.1 * (kl_k3(logprobs, ref) * row.loss_mask).sum()) / 6
+    loss.backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert stats["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_aggregations_weigh_tokens_as_documented():
+    from miles_core.rl.algorithms.losses import MinibatchTotals, aggregation_weights
+
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    doc = torch.tensor([0, 0, 0, 1, 1])
+    totals = MinibatchTotals(tokens=3, sequences=2, budget=4)
+    assert aggregation_weights("token-mean", mask, doc, 2, totals).tolist() == pytest.approx([0, 1 / 3, 1 / 3, 0, 1 / 3])
+    assert aggregation_weights("sequence-mean", mask, doc, 2, totals).tolist() == pytest.approx([0, 1 / 4, 1 / 4, 0, 1 / 2])
+    assert aggregation_weights("budget", mask, doc, 2, totals).tolist() == pytest.approx([0, 1 / 8, 1 / 8, 0, 1 / 8])

@@ -1,0 +1,94 @@
+"""The hardware backend is the one place that knows the device: no device-runtime call outside
+miles_core/hardware/, and the decisions that depend on the device ask the active backend."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
+
+ROOT = Path(__file__).resolve().parents[2] / "miles_core"
+#: files that may name torch.cuda: the backends, and a CI template string run on GPU runners
+ALLOWED = {"hardware", "ci/base.py"}
+
+
+def test_no_torch_cuda_outside_the_hardware_backends() -> None:
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.split("/")[0] in ALLOWED or rel in ALLOWED:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\btorch\.cuda\b|\bdevice\.type\s*[!=]=\s*[\"']cuda[\"']", line):
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_fsdp_ranks_join_over_the_backends_collectives(miles_pm, monkeypatch) -> None:
+    """A backend whose collectives are not gloo/nccl: the trainer's process group uses its name."""
+    import torch
+    import torch.distributed as dist
+
+    from miles_core.hardware import reset
+    from miles_core.hardware.cpu import CpuBackend
+    from miles_core.rl.trainers.fsdp import init_rank
+    from miles_core.testing import plugin_module
+
+    class Collectives(CpuBackend):
+        name = "cpu-mpi"
+        distributed_backend = "mpi"
+
+    miles_pm.register(plugin_module("hw", miles_hardware_backends=lambda: [Collectives()]), name="hw")
+    monkeypatch.setenv("MILES_HARDWARE", "cpu-mpi")
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    reset()
+    try:
+        init_rank(0, 1, store=None, device=torch.device("cpu"))
+    finally:
+        reset()
+    assert seen["backend"] == "mpi" and seen["world_size"] == 1
+
+
+def test_device_answers_on_the_host(miles_pm_factory) -> None:
+    import torch
+
+    from miles_core.errors import ConfigError
+    from miles_core.hardware import devices, reset
+
+    miles_pm_factory(builtins=True)
+    reset()
+    try:
+        assert devices.resolve_device("auto").type in ("cpu", "cuda")
+        assert devices.resolve_device("cpu", "trainer.device") == torch.device("cpu")
+        assert devices.rank_device(torch.device("cpu"), 3) == torch.device("cpu")
+        assert not devices.device_supports(torch.device("cpu"), "varlen_flash_attention")  # host memory
+        host = {"w": torch.ones(2)}
+        assert devices.to_host(host)["w"] is host["w"]  # already on the host: no copy
+        if not torch.cuda.is_available():
+            assert devices.device_rng_state() is None
+            with pytest.raises(ConfigError, match=r"trainer.device: 'cuda' requested but CUDA is not available"):
+                devices.resolve_device("cuda", "trainer.device")
+    finally:
+        reset()
+
+
+def test_discovering_the_rl_step_concerns_stays_cheap() -> None:
+    code = (
+        "import sys\n"
+        "from miles_core.plugins import MilesPluginManager\n"
+        "from miles_core.testing.isolation import register_builtins\n"
+        "pm = MilesPluginManager(); register_builtins(pm); pm.collect_all()\n"
+        "assert {c.name for c in pm.contributions('trackers')} == {'jsonl', 'tensorboard', 'wandb', 'mlflow'}\n"
+        "heavy = ('torch', 'transformers', 'ray', 'megatron', 'pydantic', 'wandb', 'mlflow', 'tensorboard')\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
