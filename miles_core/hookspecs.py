@@ -203,10 +203,11 @@ def miles_rollout_functions() -> Sequence[RolloutFunction]:
     Returns: a list of rollout functions (built-ins: ``direct``, batched token-in generation
     through the engine; ``agentic``, OpenAI-chat episodes through the session server). Each
     declares the rollout fields it provides and the ``rollout.*`` settings it reads;
-    ``start(context)`` builds the rollout for a run (heavy imports there). ``verify()`` checks the
-    declarations and that the implementation imports; the conformance kit
-    (:mod:`miles_core.testing.rollout`) runs a tiny rollout and checks its trajectories are
-    token-exact.
+    ``start(context)`` builds the rollout for a run (heavy imports there). ``verify()`` runs a
+    tiny rollout against a scripted engine and checks its trajectories are token-exact
+    (:mod:`miles_core.rl.rollout.probe`; a function that needs the session server, hence a real
+    engine, checks its declarations and dependencies, and the conformance kit
+    :mod:`miles_core.testing.rollout` takes a real engine for it).
     """
 
 

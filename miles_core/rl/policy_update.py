@@ -75,7 +75,7 @@ class DataParallel:
     rank: int
     world_size: int
     #: this rank's device; the process group's backend (the hardware backend's) reduces tensors there
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (an immutable value)
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         import torch.distributed as dist

@@ -30,6 +30,7 @@ import torch
 from miles_core.ci.register import register_cpu_ci, register_cuda_ci
 from miles_core.engine.presets import preset_dir
 from miles_core.rl.algorithms import TrainDocument
+from miles_core.rl.algorithms.builtin import GRPO
 from miles_core.rl.config import load_config
 from miles_core.rl.trainers.hf import HFTrainer
 
@@ -63,7 +64,7 @@ def _trainer(world_size: int, device: str = "cpu") -> HFTrainer:
         overrides=[f"trainer.world_size={world_size}", f'trainer.device="{device}"', "trainer.max_tokens_per_row=48",
                    "algorithm.minibatches=2"],
     )
-    return HFTrainer(preset_dir(config.model.preset), config, torch.device(device))
+    return HFTrainer(preset_dir(config.model.preset), config, torch.device(device), GRPO())
 
 
 @pytest.fixture(scope="module")

@@ -64,9 +64,10 @@ def test_mtp_needs_the_label_contract(miles_pm_factory, direct_overrides, tmp_pa
 
 def test_megatron_backend_refuses_other_architectures(tmp_path):
     from miles_core.errors import ConfigError
+    from miles_core.rl.algorithms.builtin import GRPO
     from miles_core.rl.trainers.megatron import MegatronTrainer
 
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     config = load_config(overrides=[{"trainer": {"backend": "megatron"}}])
     with pytest.raises(ConfigError, match=r"supports llama models.*'gpt2'"):
-        MegatronTrainer(tmp_path, config, torch.device("cpu"))
+        MegatronTrainer(tmp_path, config, torch.device("cpu"), GRPO())

@@ -172,7 +172,7 @@ def test_names_resolve_through_the_registries(miles_pm_factory) -> None:
     assert config.trainer.backend == "jax"  # a plugin's name, and a setting it declares it reads
     with pytest.raises(ConfigError, match=r"trainer.world_size > 1 needs trainer.backend = 'hf' \(trainer.backend 'jax'"):
         load_config("tiny", overrides=['trainer.backend="jax"', "trainer.world_size=2"], pm=pm)
-    with pytest.raises(ConfigError, match="'grpo' needs rollout field\\(s\\) rollout_logprobs, which rollout.path 'no-logprobs'"):
+    with pytest.raises(ConfigError, match=r"'grpo' needs rollout field\(s\) rollout_logprobs, which rollout.path 'no-logprobs'"):
         load_config("tiny", overrides=['rollout.path="no-logprobs"', "rollout.session_version=\"v1\""], pm=pm)
     with pytest.raises(ConfigError, match=r"rollout.samples_per_prompt must be >= 2 for dr-grpo"):
         load_config("tiny", overrides=['algorithm.name="dr-grpo"', "rollout.samples_per_prompt=1"], pm=pm)

@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from miles_core.rl.tasks import Prompt, SandboxReward, trainable
 register_cpu_ci(est_time=30, suite="stage-a-cpu")
 
 OLD_README_TASK = '''
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles_core.hookspecs import hookimpl
 
@@ -49,7 +49,7 @@ def test_defaults_fill_the_optional_attributes() -> None:
     @dataclass(frozen=True)
     class Minimal:
         name: str = "minimal"
-        reward: SandboxReward = SandboxReward(name="r", program="print('[]')")
+        reward: SandboxReward = field(default_factory=lambda: SandboxReward(name="r", program="print('[]')"))
 
         def prompts(self) -> list[Prompt]:
             return [Prompt(id="a", text="a", answer="b")]

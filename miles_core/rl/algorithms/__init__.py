@@ -29,7 +29,23 @@ _EXPORTS = {
     "ROLLOUT_FIELDS": "base",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ROLLOUT_FIELDS",
+    "Algorithm",
+    "MinibatchTotals",
+    "PackedRow",
+    "PolicyLoss",
+    "TokenBatch",
+    "TrainDocument",
+    "aggregation_weights",
+    "clipped_policy_loss",
+    "entropy_from_logits",
+    "group_advantages",
+    "kl_k3",
+    "pack_documents",
+    "sequence_ratio",
+    "token_logprobs",
+]
 
 if TYPE_CHECKING:
     from miles_core.rl.algorithms.base import ROLLOUT_FIELDS, Algorithm, PolicyLoss, TokenBatch

@@ -106,6 +106,7 @@ class RolloutFunction(Protocol):
         ...
 
     def verify(self) -> None:
-        """Raise unless the declarations are consistent and the implementation imports; the
-        token-exact check is :func:`miles_core.testing.rollout.assert_rollout_conforms`."""
+        """Raise unless the declarations are consistent and a tiny rollout is token-exact
+        (:func:`miles_core.rl.rollout.probe.run_tiny_rollout`; a session-server function, which
+        needs a real engine for that, checks what it can without one)."""
         ...

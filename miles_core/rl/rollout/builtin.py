@@ -40,11 +40,11 @@ class DirectRolloutFunction:
         return DirectRollout(context.engine, context.tokenizer, context.config.rollout, context.config.run.seed)
 
     def verify(self) -> None:
-        from miles_core.rl.rollout.direct import DirectRollout
+        """The declarations, and a tiny rollout against a scripted engine is token-exact."""
+        from miles_core.rl.rollout.probe import run_tiny_rollout
 
         check_declarations(self.name, self.provides, self.settings)
-        if not callable(getattr(DirectRollout, "run", None)):
-            raise TypeError("DirectRollout has no run()")
+        run_tiny_rollout(self)
 
 
 @dataclass(frozen=True)

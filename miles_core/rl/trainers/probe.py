@@ -54,7 +54,7 @@ def check_one_update(backend: TrainerBackend, device: str = "cpu") -> dict[str, 
             "run": {"seed": 0},
         })
         docs = [
-            TrainDocument(tuple(prompt) + (answer,), 1, (1,), (logp,), advantage)
+            TrainDocument((*prompt, answer), 1, (1,), (logp,), advantage)
             for answer, logp, advantage in zip(answers, before, (1.0, -1.0))
         ]
         trainer = backend.create(model_dir, config, torch.device(device), GRPO())
