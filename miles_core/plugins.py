@@ -279,6 +279,10 @@ class MilesPluginManager:
     def _register_module(self, record: PluginRecord, module: ModuleType | object) -> None:
         record.module = module
         try:
+            hash(module)
+        except TypeError:  # pluggy keeps plugins in sets (subset_hook_caller): register a hashable view
+            module = _hashable_view(module, record.name)
+        try:
             self._pm.register(module, name=record.name)  # pluggy checks signatures against the specs
         except Exception as exc:
             record.problems.append(Problem("register", _describe(exc), detail=_traceback()))
@@ -590,6 +594,15 @@ def _validate_contributions(results: list[Any], hook_name: str) -> list[Any]:
         if not callable(getattr(obj, "verify", None)):
             raise TypeError(f"returned {name!r} without a callable verify()")
     return objects
+
+
+def _hashable_view(plugin: object, name: str) -> ModuleType:
+    """A module holding ``plugin``'s public attributes (its hook implementations among them)."""
+    view = ModuleType(getattr(plugin, "__name__", name))
+    for attr in dir(plugin):
+        if not attr.startswith("__"):
+            setattr(view, attr, getattr(plugin, attr))
+    return view
 
 
 def _plugin_name(impls: Iterable[pluggy.HookImpl], plugin: object) -> str:

@@ -5,7 +5,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 pytest.importorskip("miles_core.session.embed")
 pytest.importorskip("miles_core.testing.engine_stub")
@@ -65,3 +65,31 @@ def test_multi_turn_tool_episode_is_recorded_token_exactly(agentic):
     assert all(lp < 0 for lp, m in zip(episode.rollout_logprobs, mask) if m)
     again = agentic.run([prompt], step=0)[0]
     assert again.token_ids == episode.token_ids and again.loss_mask == episode.loss_mask
+
+
+def test_the_agentic_rollout_function_conforms_against_a_session_server(tmp_path):
+    """The rollout-function kit on ``agentic``, its context pointing at a session server in front
+    of the scripted engine stub (what an orchestrator that runs the server elsewhere passes)."""
+    from contextlib import ExitStack
+
+    from transformers import AutoTokenizer
+
+    from miles_core.assets.tiny_tokenizer import tiny_tokenizer_dir
+    from miles_core.plugins import get_plugin_manager
+    from miles_core.rl.rollout.builtin import AgenticRolloutFunction
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import serve_in_thread
+    from miles_core.session.tokenizer import ChatTokenizer
+    from miles_core.testing.engine_stub import ScriptedChat, StubEngine
+    from miles_core.testing.rollout import assert_rollout_conforms, make_context
+
+    directory = tiny_tokenizer_dir()
+    with ExitStack() as stack:
+        stub = stack.enter_context(StubEngine(ScriptedChat(ChatTokenizer.from_dir(directory))))
+        url = stack.enter_context(serve_in_thread(SessionServerConfig(upstream_url=stub.url, tokenizer_dir=directory),
+                                                  pm=get_plugin_manager()))
+        context = make_context(tokenizer=AutoTokenizer.from_pretrained(directory), model_dir=directory,
+                               session_url=url)
+        stack.callback(context.aio.close)
+        trajectories = assert_rollout_conforms(AgenticRolloutFunction(), context)
+    assert len(trajectories) == 6 and all(t.turns == 1 for t in trajectories)

@@ -60,9 +60,10 @@ class ScriptedEngine:
 
 
 def make_context(engine: object | None = None, tokenizer: object | None = None, model_dir: Path | None = None,
-                 **rollout: object) -> RolloutContext:
+                 session_url: str | None = None, **rollout: object) -> RolloutContext:
     """A context on ``engine`` (default :class:`ScriptedEngine`) and ``tokenizer`` (default the
-    char tokenizer), for the tiny task of :data:`PROMPTS`; ``rollout`` overrides ``rollout.*``."""
+    char tokenizer), for the tiny task of :data:`PROMPTS`; ``session_url`` names a session server
+    already running in front of an engine; ``rollout`` overrides ``rollout.*``."""
     from miles_core.assets.char_model import build_char_tokenizer
     from miles_core.plugins import get_plugin_manager
     from miles_core.rl.aio import BackgroundLoop
@@ -74,7 +75,8 @@ def make_context(engine: object | None = None, tokenizer: object | None = None, 
     })
     task = TrainableTask("conformance", "three sums", PROMPTS, lambda inputs: [0.0] * len(inputs), True, ())
     return RolloutContext(config, task, engine or ScriptedEngine(), tokenizer or build_char_tokenizer(),  # type: ignore[arg-type]
-                          model_dir or Path("."), BackgroundLoop("miles-rollout-conformance"), get_plugin_manager())
+                          Path(model_dir or "."), BackgroundLoop("miles-rollout-conformance"), get_plugin_manager(),
+                          session_url)
 
 
 def run_tiny_rollout(function: RolloutFunction, context: RolloutContext | None = None) -> list[Trajectory]:
@@ -102,7 +104,7 @@ def run_tiny_rollout(function: RolloutFunction, context: RolloutContext | None =
         "a batch split at first_index=1 sampled other tokens than the whole batch (seed samples by "
         "sample_seed(run seed, step, first_index + i))"
     )
-    if isinstance(context.engine, ScriptedEngine):
+    if isinstance(context.engine, ScriptedEngine) and context.session_url is None:  # it sampled them
         _check_token_exact(trajectories, context.engine.completions[: len(batch)])
     return trajectories
 
