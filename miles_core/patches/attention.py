@@ -119,7 +119,8 @@ def packed_sdpa_attention(
         return t.transpose(1, 2).reshape(batch_size * seq_len, t.shape[1], head_dim)
 
     q, k, v = tokens(query), tokens(key), tokens(value)
-    varlen = _varlen_kernel(q) if dropout == 0.0 else None
+    # the varlen kernel attends within segments only: a branch (shared prompt) needs its root's keys
+    varlen = _varlen_kernel(q) if dropout == 0.0 and ctx.branches is None else None
     if varlen is not None:
         out = varlen(q, k, v, ctx, scale)
     else:
@@ -138,14 +139,21 @@ def _per_document(
 ) -> torch.Tensor:
     """Causal attention within each document, one ``scaled_dot_product_attention`` call per distinct
     document length: documents of equal length are gathered into one batch (an RL step packs
-    hundreds of same-length completions into a row, which would otherwise be as many calls)."""
+    hundreds of same-length completions into a row, which would otherwise be as many calls).
+
+    A branch segment (``ctx.branches``: a response laid out after its group's shared prompt) attends
+    to its root's prompt tokens and then causally to itself; branches of equal prompt and own length
+    share a call too.
+    """
     heads, head_dim = q.shape[1], q.shape[2]
     k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
     bounds = ctx.cu_seqlens_cpu.tolist()
-    by_length: dict[int, list[int]] = {}
+    branch_of = {start: (root, prefix) for start, root, prefix in ctx.branches or ()}
+    jobs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (length, prefix) -> [(start, root)]
     for start, end in itertools.pairwise(bounds):
-        by_length.setdefault(end - start, []).append(start)
-    if len(by_length) == len(bounds) - 1:  # every length distinct: plain slices, no gather
+        root, prefix = branch_of.get(start, (start, 0))
+        jobs.setdefault((end - start, prefix), []).append((start, root))
+    if not branch_of and len(jobs) == len(bounds) - 1:  # every length distinct: plain slices, no gather
         outs = []
         for start, end in itertools.pairwise(bounds):
             qd, kd, vd = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
@@ -155,16 +163,33 @@ def _per_document(
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
     pieces, positions = [], []
-    for length, starts in by_length.items():
-        index = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).view(-1).to(q.device)
-        # [n * length, H, D] -> [n, H, length, D]
-        qd, kd, vd = (t.index_select(0, index).view(len(starts), length, heads, head_dim).transpose(1, 2)
-                      for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
-        )
+    for (length, prefix), members in jobs.items():
+        starts = torch.tensor([start for start, _ in members])
+        query_index = (starts[:, None] + torch.arange(length)[None, :]).view(-1).to(q.device)
+
+        def gathered(t: torch.Tensor, index: torch.Tensor, n: int, count: int = len(members)) -> torch.Tensor:
+            # [count * n, H, D] -> [count, H, n, D]
+            return t.index_select(0, index).view(count, n, heads, head_dim).transpose(1, 2)
+
+        qd = gathered(q, query_index, length)
+        if prefix == 0:
+            kd, vd = gathered(k, query_index, length), gathered(v, query_index, length)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
+            )
+        else:
+            roots = torch.tensor([root for _, root in members])
+            key_index = torch.cat(
+                [roots[:, None] + torch.arange(prefix)[None, :], starts[:, None] + torch.arange(length)[None, :]], dim=1
+            ).view(-1).to(q.device)
+            kd, vd = gathered(k, key_index, prefix + length), gathered(v, key_index, prefix + length)
+            keys = torch.arange(prefix + length, device=q.device)
+            allowed = (keys[None, :] < prefix) | (keys[None, :] - prefix <= torch.arange(length, device=q.device)[:, None])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=allowed, dropout_p=dropout, scale=scale
+            )
         pieces.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
-        positions.append(index)
+        positions.append(query_index)
     order = torch.cat(positions)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)

@@ -61,6 +61,12 @@ class PackedSequences:
     max_seqlen: int
     batch_size: int
     seq_len: int
+    #: segments that continue a shared prompt instead of standing alone, as flattened-token offsets
+    #: ``(start, root, prefix)``: the segment at ``start`` attends to the ``prefix`` tokens at
+    #: ``root`` (a segment starting at position 0), then causally to itself. Only attention honours
+    #: this (:mod:`miles_core.patches.attention`); a layer with state across tokens (a recurrent or
+    #: convolutional sequence mixer) must refuse such a context. ``None``: every segment stands alone.
+    branches: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -118,7 +124,10 @@ def _text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def packed_sequences(
-    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    branches: Sequence[tuple[int, int, int]] | None = None,
 ) -> PackedSequences | None:
     """The packing context of a forward, or ``None`` when no row holds more than one document.
 
@@ -127,12 +136,17 @@ def packed_sequences(
     Packed rows must come without an ``attention_mask``: transformers ignores position-based
     packing when a mask is given, so attention would mix the documents. That and m-RoPE-only
     position ids raise :class:`PackingError`.
+
+    ``branches`` (see :attr:`PackedSequences.branches`) describe a trainer's shared-prompt row; each
+    is checked against the positions: a branch starts a segment at position ``prefix``, and its
+    root is a segment whose first ``prefix`` positions count from 0.
     """
     if position_ids is None:
         return None
+    if branches:
+        return _with_branches(position_ids, attention_mask, tuple(branches))
     pos, boundaries_visible = _text_positions(position_ids)
-    batch_size, seq_len = pos.shape
-    if seq_len < 2:
+    if pos.shape[1] < 2:
         return None
     restarts = pos[:, 1:] == 0
     if attention_mask is not None and attention_mask.ndim == 2:
@@ -145,6 +159,12 @@ def packed_sequences(
         restarts = restarts & real[:, 1:] & (real.cumsum(-1)[:, :-1] > 0)
     if not bool(restarts.any()):
         return None
+    return _segments(pos, position_ids, attention_mask, boundaries_visible)
+
+
+def _segments(pos: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              boundaries_visible: bool, branches: tuple[tuple[int, int, int], ...] | None = None) -> PackedSequences:
+    batch_size, seq_len = pos.shape
     if attention_mask is not None:
         raise PackingError(
             "position_ids restart at 0 inside a row (packed documents) but an attention_mask was "
@@ -171,7 +191,25 @@ def packed_sequences(
         max_seqlen=int(torch.diff(cu_seqlens_cpu).max()),
         batch_size=batch_size,
         seq_len=seq_len,
+        branches=branches,
     )
+
+
+def _with_branches(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   branches: tuple[tuple[int, int, int], ...]) -> PackedSequences:
+    pos, visible = _text_positions(position_ids)
+    ctx = _segments(pos, position_ids, attention_mask, visible, branches)
+    flat = pos.reshape(-1).tolist()
+    starts = set(ctx.cu_seqlens_cpu.tolist())
+    for start, root, prefix in branches:
+        if start not in starts or root not in starts or not 0 < prefix <= start - root:
+            raise PackingError(f"branch {(start, root, prefix)} does not start a segment after its root's prefix")
+        if flat[start] != prefix or flat[root : root + prefix] != list(range(prefix)):
+            raise PackingError(
+                f"branch {(start, root, prefix)}: its positions must continue the root's first {prefix} "
+                f"positions 0..{prefix - 1}"
+            )
+    return ctx
 
 
 def current_packed_sequences() -> PackedSequences | None:

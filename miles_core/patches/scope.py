@@ -119,8 +119,13 @@ def _forward_parameters(module: torch.nn.Module) -> dict[str, inspect.Parameter]
 
 def _enter(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     model = getattr(module, _MODEL, module)
-    if PACKING_KWARG in kwargs or model_scope_open(model):
-        return args, kwargs  # inside a forward of its model (or its checkpoint replay): that context stands
+    if model_scope_open(model):
+        return args, kwargs  # inside a forward of its model: that context stands
+    if PACKING_KWARG in kwargs:
+        # a checkpoint replay (the context it captured), or a caller that built the context itself
+        # (a trainer's shared-prompt row, see packed_sequences(branches=...)): it stands, and is current
+        enter_model_scope(module, kwargs[PACKING_KWARG], model=model)
+        return args, kwargs
     signature = inspect.signature(module.forward)
     params = signature.bind_partial(*args, **kwargs).arguments
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)

@@ -109,6 +109,11 @@ class TrainerSection(_Section):
     device: str = Field("auto", description="auto (the selected hardware backend's device), cpu or cuda[:N]")
     max_tokens_per_row: int = Field(4096, ge=8, description="token budget of one packed training row")
     packing: bool = Field(True, description="pack documents into rows with position_ids restarting at 0")
+    share_prompts: bool = Field(
+        True,
+        description="with packing, train a group's samples after one copy of their common prompt "
+        "(attention-only models on the hf backend; a model with recurrent layers packs whole documents)",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     world_size: int = Field(
         1,

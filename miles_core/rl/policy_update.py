@@ -1,7 +1,8 @@
 """One policy update over a step's documents, shared by every trainer backend.
 
-A backend supplies ``forward(row) -> logits [T, vocab]`` (and optionally a frozen reference
-forward for the KL penalty); the algorithm (:class:`~miles_core.rl.algorithms.base.Algorithm`)
+A backend supplies ``forward(row) -> logits`` at the row's trained targets (``[K, vocab]``, the
+rows of ``row.positions``; logits at every position, ``[T, vocab]``, are gathered here) and
+optionally a frozen reference forward for the KL penalty; the algorithm (:class:`~miles_core.rl.algorithms.base.Algorithm`)
 supplies the per-token policy loss and how it is aggregated; this module owns minibatching,
 packing, the entropy and KL terms, normalisation, gradient clipping and the statistics every run
 reports.
@@ -42,9 +43,13 @@ class UpdateSettings:
     packing: bool
     method: Algorithm | None = None  # None: GRPO
     budget: float = 1.0
+    #: lay out a group's documents after one copy of their common prompt (the backend's model must
+    #: honour ``PackedRow.branches``)
+    share_prompts: bool = False
 
     @classmethod
-    def from_config(cls, config: TrainConfig, algorithm: Algorithm, *, packing: bool | None = None) -> UpdateSettings:
+    def from_config(cls, config: TrainConfig, algorithm: Algorithm, *, packing: bool | None = None,
+                    share_prompts: bool = False) -> UpdateSettings:
         return cls(
             algorithm=config.algorithm,
             temperature=config.rollout.temperature,
@@ -52,6 +57,7 @@ class UpdateSettings:
             packing=config.trainer.packing if packing is None else packing,
             method=algorithm,
             budget=float(config.rollout.max_new_tokens * config.rollout.max_turns),
+            share_prompts=share_prompts,
         )
 
     @property
@@ -111,10 +117,12 @@ def _rows_for_rank(
         budget=settings.budget,
     )
     if dp is None:
-        rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing)
+        rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing,
+                              share_prompts=settings.share_prompts)
         return rows, totals, len(rows)
     per_rank = [
-        pack_documents(shard, settings.max_tokens_per_row, packing=settings.packing) if shard else []
+        pack_documents(shard, settings.max_tokens_per_row, packing=settings.packing,
+                       share_prompts=settings.share_prompts) if shard else []
         for shard in shard_documents(minibatch, dp.world_size)
     ]
     rows = per_rank[dp.rank]
@@ -180,7 +188,7 @@ def policy_update(
             scale = world / totals.tokens  # turns the objective back into per-token sums for the stats
             optimizer.zero_grad(set_to_none=True)
             for row_index, row in enumerate(rows):
-                logits = forward(row)
+                logits = _at_targets(forward(row), row)
                 device = logits.device
                 targets = row.targets.to(device)
                 mask = row.loss_mask.to(device)
@@ -195,7 +203,7 @@ def policy_update(
                     per_token = per_token - algo.entropy_coef * entropy * mask
                 if reference is not None and algo.kl_coef:
                     with torch.no_grad():
-                        ref_lp = token_logprobs(reference(row), targets, settings.temperature)
+                        ref_lp = token_logprobs(_at_targets(reference(row), row), targets, settings.temperature)
                     kl_ref = kl_k3(logprobs, ref_lp) * mask
                     per_token = per_token + algo.kl_coef * kl_ref
                     _add(sums, "kl_ref", float(kl_ref.detach().sum()))
@@ -244,6 +252,18 @@ def policy_update(
     if reference is not None and algo.kl_coef:
         out["kl_ref"] = sums.get("kl_ref", 0.0) / trained
     return out
+
+
+def _at_targets(logits: torch.Tensor, row: PackedRow) -> torch.Tensor:
+    """``logits`` at the row's trained targets (a row always has fewer targets than positions)."""
+    if logits.shape[0] == row.positions.numel():
+        return logits
+    if logits.shape[0] != row.num_tokens:
+        raise ValueError(
+            f"forward returned logits for {logits.shape[0]} positions; the row has {row.num_tokens} "
+            f"positions and {row.positions.numel()} targets"
+        )
+    return logits[row.positions.to(logits.device)]
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:

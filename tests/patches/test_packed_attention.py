@@ -8,7 +8,7 @@ import torch
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import attention
-from miles_core.patches.packing import PackedSequences
+from miles_core.patches.packing import PackedSequences, packed_sequences
 
 register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
@@ -86,3 +86,45 @@ def test_a_model_prepared_for_packed_training_attends_per_document(tmp_path, mil
         alone = torch.cat([model(input_ids=doc[None], use_cache=False).logits[0] for doc in ids.split(lengths)])
     assert calls and calls[0] == lengths
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+
+
+def test_a_branch_attends_to_its_prompt_then_to_itself() -> None:
+    """A row [P r1 | r2 r3] + [Q s1 | s2]: each later response sees its root's prompt and itself,
+    exactly as if it had been laid out after its own copy of the prompt."""
+    generator = torch.Generator().manual_seed(9)
+    # segments: [0, 6) = P(4) + r1(2), [6, 8) r2, [8, 10) r3, [10, 13) = Q(2) + s1(1), [13, 15) s2
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 4, 5, 4, 5, 0, 1, 2, 2, 3])
+    branches = [(6, 0, 4), (8, 0, 4), (13, 10, 2)]
+    ctx = packed_sequences(positions[None], branches=branches)
+    total = positions.numel()
+    q = torch.randn(total, HEADS, DIM, generator=generator, requires_grad=True)
+    k = torch.randn(total, KV_HEADS, DIM, generator=generator, requires_grad=True)
+    v = torch.randn(total, KV_HEADS, DIM, generator=generator, requires_grad=True)
+    weight = torch.randn(total, HEADS, DIM, generator=generator)
+    got = attention._per_document(q, k, v, ctx, 0.3, 0.0)
+    grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
+
+    # the same attention with every response laid out after its own prompt copy
+    layouts = [list(range(0, 6)), [0, 1, 2, 3, 6, 7], [0, 1, 2, 3, 8, 9], [10, 11, 12], [10, 11, 13, 14]]
+    outputs = {}
+    for layout in layouts:
+        index = torch.tensor(layout)
+        out = reference(q[index], k[index], v[index], [len(layout)])
+        for row, token in enumerate(layout):
+            outputs.setdefault(token, out[row])  # a prompt token's output: from its first layout
+    want = torch.stack([outputs[t] for t in range(total)])
+    want_grads = torch.autograd.grad((want * weight).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+def test_branches_that_do_not_match_the_positions_are_refused() -> None:
+    from miles_core.patches.packing import PackingError
+
+    positions = torch.tensor([[0, 1, 2, 3, 2, 3]])
+    packed_sequences(positions, branches=[(4, 0, 2)])
+    with pytest.raises(PackingError, match="must continue the root"):
+        packed_sequences(positions, branches=[(4, 0, 3)])
+    with pytest.raises(PackingError, match="does not start a segment"):
+        packed_sequences(positions, branches=[(3, 0, 2)])

@@ -60,20 +60,47 @@ def _doc(tokens, response, adv=1.0):
     return TrainDocument(tuple(tokens), response, (1,) * response, tuple([-0.5] * response), adv)
 
 
-def test_packing_aligns_targets_masks_and_restarts_positions():
+def test_packing_lists_trained_targets_and_restarts_positions():
     a, b = _doc([10, 11, 12, 13], 2, 1.0), _doc([20, 21, 22], 1, -1.0)
     (row,) = pack_documents([a, b], max_tokens_per_row=16)
     assert row.input_ids.tolist() == [10, 11, 12, 13, 20, 21, 22]
     assert row.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2]
-    assert row.targets.tolist() == [11, 12, 13, -100, 21, 22, -100]  # never across documents
-    assert row.loss_mask.tolist() == [0, 1, 1, 0, 0, 1, 0]  # positions predicting response tokens
-    assert row.rollout_logprobs.tolist() == [0, -0.5, -0.5, 0, 0, -0.5, 0]
-    assert row.advantages.tolist() == [1, 1, 1, 1, -1, -1, -1]
+    # each trained target with the position whose logits predict it (never across documents)
+    assert list(zip(row.positions.tolist(), row.targets.tolist())) == [(1, 12), (2, 13), (5, 22)]
+    assert row.loss_mask.tolist() == [1, 1, 1]
+    assert row.rollout_logprobs.tolist() == [-0.5, -0.5, -0.5]
+    assert row.advantages.tolist() == [1, 1, -1]
+    assert row.doc_index.tolist() == [0, 0, 1]
+    assert row.token_mask().tolist() == [0, 1, 1, 0, 0, 1, 0]  # per position, for megatron's MTP labels
+    assert row.branches is None
     rows = pack_documents([a, b, a], max_tokens_per_row=7)
     assert [r.num_docs for r in rows] == [2, 1]
     assert [r.num_docs for r in pack_documents([a, b], 16, packing=False)] == [1, 1]
     long_doc = _doc(range(30), 5)
     assert pack_documents([long_doc], max_tokens_per_row=8)[0].num_tokens == 30  # never truncated
+    masked = TrainDocument((1, 2, 3, 4, 5), 3, (1, 0, 1), (-1.0, 0.0, -2.0), 0.5)  # a tool token in the middle
+    (row,) = pack_documents([masked], 16)
+    assert list(zip(row.positions.tolist(), row.targets.tolist())) == [(1, 3), (3, 5)]
+
+
+def test_shared_prompts_lay_a_group_out_after_one_prompt_copy():
+    group = [_doc([7, 8, 9, r1, r2], 2, adv) for r1, r2, adv in ((1, 2, 1.0), (3, 4, -1.0), (5, 6, 0.0))]
+    other = _doc([30, 31, 1], 1, 0.5)
+    (row,) = pack_documents([group[0], other, group[1], group[2]], 64, share_prompts=True)
+    assert row.input_ids.tolist() == [7, 8, 9, 1, 2, 3, 4, 5, 6, 30, 31, 1]
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 4, 3, 4, 0, 1, 2]
+    # every first response token is predicted by the prompt's last position (2)
+    assert list(zip(row.positions.tolist(), row.targets.tolist())) == [
+        (2, 1), (3, 2), (2, 3), (5, 4), (2, 5), (7, 6), (10, 1)]
+    assert row.doc_index.tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert row.advantages.tolist() == [1, 1, -1, -1, 0, 0, 0.5]
+    assert row.branches == ((5, 0, 3), (7, 0, 3))
+    assert row.num_docs == 4 and row.num_tokens == 12  # 20 tokens laid out whole
+    with pytest.raises(ValueError, match="no per-position loss mask"):
+        row.token_mask()
+    # a group longer than a row is split, each part with its own prompt copy
+    parts = pack_documents(group, 7, share_prompts=True)
+    assert [r.input_ids.tolist() for r in parts] == [[7, 8, 9, 1, 2, 3, 4], [7, 8, 9, 5, 6]]
 
 
 def test_document_validation():
@@ -166,12 +193,12 @@ def test_grpo_update_is_the_formula_it_always_was():
 
     model.zero_grad(set_to_none=True)
     (row,) = pack_documents(docs, 64)
-    logits = forward(row)
+    logits = forward(row)[row.positions]
     logprobs = token_logprobs(logits, row.targets)
     per_token, _ = clipped_policy_loss(logprobs, row.rollout_logprobs, row.advantages, row.loss_mask,
                                        clip_low=0.1, clip_high=0.3)
     with torch.no_grad():
-        ref = token_logprobs(forward(row, reference), row.targets)
+        ref = token_logprobs(forward(row, reference)[row.positions], row.targets)
     entropy = (entropy_from_logits(logits) * row.loss_mask).sum()
     loss = (per_token.sum() - 0.01 * entropy + 0.1 * (kl_k3(logprobs, ref) * row.loss_mask).sum()) / 6
     loss.backward()

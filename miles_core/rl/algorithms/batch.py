@@ -1,9 +1,10 @@
 """Training documents and the packed rows the trainer runs.
 
-Everything is token-aligned the way a causal LM predicts: in a packed row, position ``t`` carries
-the log-prob of token ``t + 1``; ``loss_mask[t]`` says whether that target is a trained response
-token; a target in the next document is never trained (the row's position ids restart at 0 for
-each document, which is how the model patches find the boundaries).
+A row lists its trained targets explicitly: target ``k`` is predicted by the logits at position
+``positions[k]`` (for a document laid out whole, the position just before the target), so the
+trainer computes logits, log-probs and losses at trained targets only; a target in the next
+document is never trained (the row's position ids restart at 0 for each document, which is how the
+model patches find the boundaries).
 """
 
 from __future__ import annotations
@@ -42,80 +43,141 @@ class TrainDocument:
 
 @dataclass
 class PackedRow:
-    """Documents concatenated into one row; every tensor is ``[T]``."""
+    """Documents laid out in one row of ``T`` tokens, and their ``K`` trained targets.
+
+    ``input_ids``/``position_ids`` are ``[T]``; every other tensor is ``[K]``, one entry per
+    trained target: ``targets[k]`` is predicted by the logits at position ``positions[k]``. Without
+    shared prompts, target ``k`` is the token after ``positions[k]`` in the same document; with
+    them (:func:`pack_documents` ``share_prompts=True``) a group's documents follow one copy of their
+    common prompt, so the prompt's last position predicts every document's first response token,
+    and ``branches`` says which tokens each document's response attends to.
+    """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    targets: torch.Tensor  # token t+1 within the same document, else -100
-    loss_mask: torch.Tensor  # float 0/1
+    positions: torch.Tensor  # long: the position whose logits predict each target
+    targets: torch.Tensor  # long
+    loss_mask: torch.Tensor  # float 0/1 (0 only in a data-parallel filler row)
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
-    doc_index: torch.Tensor  # which of the row's documents (0 .. num_docs - 1) owns each position
+    doc_index: torch.Tensor  # which of the row's documents (0 .. num_docs - 1) owns each target
     num_docs: int
+    #: for a row with shared prompts, every response after a group's first: ``(start, root, prefix)``
+    #: -- the response at ``start`` attends to the ``prefix`` tokens at ``root`` (its prompt), then
+    #: causally to itself; ``None`` when every document is laid out whole
+    branches: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-
-def _aligned(doc: TrainDocument) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Targets, mask, rollout log-probs and advantages at positions 0..len-1 of ``doc``."""
-    ids = list(doc.token_ids)
-    n, prompt = len(ids), len(ids) - doc.response_length
-    targets = [*ids[1:], -100]
-    mask = [0.0] * (prompt - 1) + [float(m) for m in doc.loss_mask] + [0.0]
-    logps = [0.0] * (prompt - 1) + list(doc.rollout_logprobs) + [0.0]
-    adv = [doc.advantage] * n
-    return targets, mask, logps, adv
+    def token_mask(self) -> torch.Tensor:
+        """``[T]``: 1 at each position whose logits are trained (for per-position consumers, such as
+        megatron's multi-token-prediction labels; defined for rows without shared prompts)."""
+        if self.branches is not None:
+            raise ValueError("a row with shared prompts has no per-position loss mask")
+        return torch.zeros(self.num_tokens).index_put_((self.positions,), self.loss_mask)
 
 
-def pack_documents(docs: Sequence[TrainDocument], max_tokens_per_row: int, *, packing: bool = True) -> list[PackedRow]:
+@dataclass(frozen=True)
+class _Unit:
+    """Documents laid out together: one prompt copy, then each document's response."""
+
+    prompt: tuple[int, ...]
+    members: tuple[int, ...]  # indices into the documents
+    length: int
+
+
+def _units(docs: Sequence[TrainDocument], max_tokens_per_row: int, share_prompts: bool) -> list[_Unit]:
+    if not share_prompts:
+        return [_Unit(d.token_ids[: len(d.token_ids) - d.response_length], (i,), len(d.token_ids))
+                for i, d in enumerate(docs)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, doc in enumerate(docs):
+        groups.setdefault(doc.token_ids[: len(doc.token_ids) - doc.response_length], []).append(i)
+    units = []
+    for prompt, members in groups.items():  # a group longer than a row is split, each part with its prompt
+        part: list[int] = []
+        length = len(prompt)
+        for i in members:
+            n = docs[i].response_length
+            if part and length + n > max_tokens_per_row:
+                units.append(_Unit(prompt, tuple(part), length))
+                part, length = [], len(prompt)
+            part.append(i)
+            length += n
+        units.append(_Unit(prompt, tuple(part), length))
+    return units
+
+
+def pack_documents(
+    docs: Sequence[TrainDocument], max_tokens_per_row: int, *, packing: bool = True, share_prompts: bool = False
+) -> list[PackedRow]:
     """First-fit packing in document order; ``packing=False`` gives one document per row.
 
     A document longer than ``max_tokens_per_row`` gets a row of its own (never truncated: a
-    truncated document would train on log-probs it was not sampled with).
+    truncated document would train on log-probs it was not sampled with). ``share_prompts``
+    (with ``packing``) lays out documents with identical prompts -- a GRPO group -- as one copy of
+    the prompt followed by every response (see :class:`PackedRow`); only a model whose attention
+    honours ``branches`` may run such rows.
     """
-    bins: list[list[int]] = []
+    units = _units(docs, max_tokens_per_row, share_prompts and packing)
+    bins: list[list[_Unit]] = []
     loads: list[int] = []
-    for i, doc in enumerate(docs):
-        n = len(doc.token_ids)
+    for unit in units:
         for b, load in enumerate(loads):
-            if packing and load + n <= max_tokens_per_row:
-                bins[b].append(i)
-                loads[b] += n
+            if packing and load + unit.length <= max_tokens_per_row:
+                bins[b].append(unit)
+                loads[b] += unit.length
                 break
         else:
-            bins.append([i])
-            loads.append(n)
-    rows = []
-    for members in bins:
-        ids: list[int] = []
-        pos: list[int] = []
-        tgt: list[int] = []
-        mask: list[float] = []
-        logps: list[float] = []
-        adv: list[float] = []
-        owner: list[int] = []
-        for local, i in enumerate(members):
+            bins.append([unit])
+            loads.append(unit.length)
+    return [_row(docs, members) for members in bins]
+
+
+def _row(docs: Sequence[TrainDocument], units: list[_Unit]) -> PackedRow:
+    ids: list[int] = []
+    pos: list[int] = []
+    at: list[int] = []
+    tgt: list[int] = []
+    mask: list[float] = []
+    logps: list[float] = []
+    adv: list[float] = []
+    owner: list[int] = []
+    branches: list[tuple[int, int, int]] = []
+    local = 0
+    for unit in units:
+        root, p = len(ids), len(unit.prompt)
+        ids += unit.prompt
+        pos += range(p)
+        for nth, i in enumerate(unit.members):
             doc = docs[i]
-            t, m, lp, a = _aligned(doc)
-            ids += doc.token_ids
-            pos += range(len(doc.token_ids))
-            tgt += t
-            mask += m
-            logps += lp
-            adv += a
-            owner += [local] * len(doc.token_ids)
-        rows.append(
-            PackedRow(
-                input_ids=torch.tensor(ids, dtype=torch.long),
-                position_ids=torch.tensor(pos, dtype=torch.long),
-                targets=torch.tensor(tgt, dtype=torch.long),
-                loss_mask=torch.tensor(mask, dtype=torch.float32),
-                rollout_logprobs=torch.tensor(logps, dtype=torch.float32),
-                advantages=torch.tensor(adv, dtype=torch.float32),
-                doc_index=torch.tensor(owner, dtype=torch.long),
-                num_docs=len(members),
-            )
-        )
-    return rows
+            response = doc.token_ids[p:]
+            start = len(ids)
+            if nth:
+                branches.append((start, root, p))
+            ids += response
+            pos += range(p, p + len(response))
+            for j, (token, m) in enumerate(zip(response, doc.loss_mask, strict=True)):
+                if not m:
+                    continue
+                at.append(root + p - 1 if j == 0 else start + j - 1)
+                tgt.append(token)
+                mask.append(1.0)
+                logps.append(doc.rollout_logprobs[j])
+                adv.append(doc.advantage)
+                owner.append(local)
+            local += 1
+    return PackedRow(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        positions=torch.tensor(at, dtype=torch.long),
+        targets=torch.tensor(tgt, dtype=torch.long),
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        rollout_logprobs=torch.tensor(logps, dtype=torch.float32),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        doc_index=torch.tensor(owner, dtype=torch.long),
+        num_docs=local,
+        branches=tuple(branches) if branches else None,
+    )

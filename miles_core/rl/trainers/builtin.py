@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class HFBackend:
     name: str = "hf"
     description: str = "a transformers causal LM trained with torch (AdamW); FSDP2 over trainer.world_size ranks"
-    settings: frozenset[str] = frozenset({"world_size", "compile", "gradient_checkpointing"})
+    settings: frozenset[str] = frozenset({"world_size", "compile", "gradient_checkpointing", "share_prompts"})
 
     def create(self, model_dir: Path, config: TrainConfig, device: torch.device, algorithm: Algorithm) -> Trainer:
         from miles_core.rl.trainers.hf import HFTrainer

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from miles_core.hardware.devices import rank_device, to_host
+from miles_core.patches.packing import PACKING_KWARG, packed_sequences
 from miles_core.rl.algorithms.base import Algorithm
 from miles_core.rl.algorithms.batch import PackedRow, TrainDocument
 from miles_core.rl.config import TrainConfig
@@ -23,7 +24,7 @@ from miles_core.rl.policy_update import DataParallel, UpdateSettings, policy_upd
 from miles_core.rl.tensor_tree import load_tree, save_tree
 from miles_core.rl.trainers.compile import compile_regions
 from miles_core.rl.trainers.fsdp import RankGroup, init_rank, shard_model
-from miles_core.rl.trainers.packing_guard import check_packing_safe
+from miles_core.rl.trainers.packing_guard import check_packing_safe, recurrent_layer_types
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -70,7 +71,11 @@ class HFPolicy:
             if self.reference is not None:
                 compile_regions(self.reference)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
-        self.settings = UpdateSettings.from_config(config, algorithm)
+        # a shared prompt copy needs attention that reads the row's branches (the packed attention
+        # prepare_model installed) and no layer whose state after the prompt would have to fork
+        share = (config.trainer.share_prompts and config.trainer.packing and patch_report.packed_attention
+                 and not recurrent_layer_types(self.model))
+        self.settings = UpdateSettings.from_config(config, algorithm, share_prompts=share)
         self.report = {
             "backend": "hf",
             "algorithm": algorithm.name,
@@ -79,14 +84,23 @@ class HFPolicy:
             "compiled": compiled,
             "world_size": dp.world_size if dp else 1,
             "fsdp_sharded": sharded,
+            "shared_prompts": share,
         }
 
     def _forward(self, row: PackedRow, model: Any | None = None) -> torch.Tensor:
+        """Logits at the row's trained targets only (``logits_to_keep``: the LM head and the
+        log-softmax skip every other position)."""
         model = model or self.model
+        position_ids = row.position_ids[None].to(self.device)
+        extra: dict[str, Any] = {}
+        if row.branches is not None:
+            extra[PACKING_KWARG] = packed_sequences(position_ids, branches=row.branches)
         out = model(
             input_ids=row.input_ids[None].to(self.device),
-            position_ids=row.position_ids[None].to(self.device),
+            position_ids=position_ids,
             use_cache=False,
+            logits_to_keep=row.positions.to(self.device),
+            **extra,
         )
         return out.logits[0]
 

@@ -175,7 +175,7 @@ class MegatronTrainer:
         kwargs: dict[str, Any] = {}
         logits_seen: list[torch.Tensor] = []
         if self.mtp_layers:  # the canonical contract: the adapter derives every label from input_ids
-            kwargs = {"loss_mask": row.loss_mask[None].to(self.device)}
+            kwargs = {"loss_mask": row.token_mask()[None].to(self.device)}
             self._mtp_rows += 1
         # cloned: megatron's cross entropy later works on the logits tensor in place
         hook = self.model.output_layer.register_forward_hook(lambda _m, _i, out: logits_seen.append(out[0].clone()))

@@ -132,6 +132,12 @@ def _packing_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         if ctx is None:
             return original(self, *args, **kwargs)
+        if ctx.branches is not None:
+            raise PackingError(
+                f"{qualname(type(self))}: a row whose responses share one prompt copy (branches) cannot "
+                "run through a recurrent layer, whose state after the prompt would have to fork; "
+                "only attention-only models take such rows"
+            )
         hidden_states = args[0] if args else kwargs["hidden_states"]
         if tuple(hidden_states.shape[:2]) != (ctx.batch_size, ctx.seq_len):
             raise PackingError(

@@ -151,3 +151,16 @@ def test_models_not_on_sdpa_keep_their_attention(qwen_pm) -> None:
     model.set_attn_implementation("eager")
     assert not prepare_model(model).packed_attention
     assert model.config._attn_implementation == "eager"
+
+
+def test_a_shared_prompt_row_is_refused_by_a_gdn_layer(qwen_pm, arch: str) -> None:
+    """Responses laid out after one prompt copy (branches) would need the GDN state after the
+    prompt to fork: the patched layer refuses the row instead of running it wrong."""
+    from miles_core.patches.packing import PackingError, packed_sequences
+
+    model = tiny_model(arch)
+    prepare_model(model, pm=qwen_pm)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4]])
+    ctx = packed_sequences(positions, branches=[(5, 0, 3)])
+    with torch.no_grad(), pytest.raises(PackingError, match="share one prompt copy"):
+        model(torch.randint(0, 64, (1, 7)), position_ids=positions, use_cache=False, **{PACKING_KWARG: ctx})

@@ -1,0 +1,113 @@
+"""Shared prompts: a GRPO group trained after one copy of its prompt gives the update of the same
+documents laid out whole -- loss, gradients, every statistic -- while the row holds a fraction of
+the tokens; a model with recurrent layers never gets such rows.
+
+Tolerance: both layouts compute the same attention and MLPs in fp32 and differ only in which rows
+of which matmuls share a call (a reduction of the same terms in another order), so they agree to
+a few ulps of the values involved (rel 1e-5; measured <= 1e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.rl.algorithms.batch import TrainDocument, pack_documents
+from miles_core.rl.algorithms.builtin import BUILTIN_ALGORITHMS
+from miles_core.rl.config import AlgorithmSection
+from miles_core.rl.policy_update import UpdateSettings, policy_update
+
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
+
+
+def _model(kind: str, miles_pm):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from miles_core.patches import prepare_model
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama"
+             else Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common)))
+    assert prepare_model(model, pm=miles_pm, packed=True).packed_attention
+    return model
+
+
+def _docs() -> list[TrainDocument]:
+    gen = torch.Generator().manual_seed(5)
+    docs = []
+    for prompt_len, group in ((6, 4), (3, 3), (9, 2)):
+        prompt = torch.randint(1, 40, (prompt_len,), generator=gen).tolist()
+        for i in range(group):
+            n = 1 + (i % 3)
+            response = torch.randint(1, 40, (n,), generator=gen).tolist()
+            mask = tuple(0 if (j == 1 and n == 3) else 1 for j in range(n))  # a tool token inside one
+            docs.append(TrainDocument(tuple(prompt + response), n, mask, tuple(-2.0 - 0.1 * j for j in range(n)),
+                                      float(i) - 1.0))
+    gen_order = torch.randperm(len(docs), generator=gen).tolist()  # groups need not be contiguous
+    return [docs[i] for i in gen_order]
+
+
+def _update(model, docs, share: bool, method, reference=None):
+    from miles_core.patches.packing import PACKING_KWARG, packed_sequences
+
+    def forward(row, m=model):
+        extra = {PACKING_KWARG: packed_sequences(row.position_ids[None], branches=row.branches)} if row.branches else {}
+        return m(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                 logits_to_keep=row.positions, **extra).logits[0]
+
+    algo = AlgorithmSection(lr=1e-2, entropy_coef=0.01, kl_coef=0.1 if reference is not None else 0.0)
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients
+    settings = UpdateSettings(algo, 1.0, 64, True, method=method, budget=3.0, share_prompts=share)
+    ref = (lambda row: forward(row, reference)) if reference is not None else None
+    stats = policy_update(docs, forward, optimizer, model.parameters(), settings, reference=ref)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return stats, grads
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("method", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
+def test_a_shared_prompt_row_updates_like_whole_documents(miles_pm, kind, method) -> None:
+    torch.set_num_threads(1)
+    docs = _docs()
+    model = _model(kind, miles_pm)
+    reference = _model(kind, miles_pm)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02)
+    whole, grads_whole = _update(model, docs, False, method, reference)
+    shared, grads_shared = _update(model, docs, True, method, reference)
+    assert shared["train_tokens"] < 0.6 * whole["train_tokens"]  # the rows really are smaller
+    for key in ("loss", "entropy", "approx_kl", "kl_ref", "clip_fraction"):
+        assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(grads_shared, grads_whole, rtol=1e-5, atol=1e-7)
+
+
+def test_without_the_branches_a_shared_row_is_wrong(miles_pm) -> None:
+    """Negative control: the same shared row attended as independent segments (no branches: each
+    response alone, without its prompt) gives other log-probs."""
+    model = _model("llama", miles_pm)
+    (row,) = pack_documents(_docs()[:6], 64, share_prompts=True)
+    assert row.branches
+    from miles_core.patches.packing import PACKING_KWARG, packed_sequences
+
+    with torch.no_grad():
+        honoured = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                         **{PACKING_KWARG: packed_sequences(row.position_ids[None], branches=row.branches)}).logits
+        ignored = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits
+    assert not torch.allclose(honoured, ignored, atol=1e-3)
+
+
+def test_a_model_with_recurrent_layers_gets_whole_documents(tmp_path) -> None:
+    from miles_core.engine.presets import preset_dir
+    from miles_core.plugins import get_plugin_manager
+    from miles_core.rl.config import load_config
+    from miles_core.rl.trainers.hf import HFTrainer
+
+    config = load_config("tiny")
+    algorithm = get_plugin_manager().contribution("algorithms", "grpo").obj
+    trainer = HFTrainer(preset_dir(config.model.preset), config, torch.device("cpu"), algorithm)
+    assert trainer.report["shared_prompts"] is False  # Gated DeltaNet: its state cannot fork after the prompt
