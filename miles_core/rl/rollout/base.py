@@ -42,6 +42,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int], **kwargs: object) -> str: ...
 
+    def batch_decode(self, sequences: Sequence[Sequence[int]], **kwargs: object) -> list[str]: ...
+
 
 class GenerationEngine(Protocol):
     """What the run needs from the inference engine: the embedded engine in-process, or an
