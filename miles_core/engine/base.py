@@ -74,6 +74,15 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """Seconds from a request's submission to its admission (a slot), its first token and its last."""
+
+    admitted_s: float
+    first_token_s: float
+    finished_s: float
+
+
+@dataclass(frozen=True)
 class Completion:
     """What the engine generated for one request, token-exact.
 
@@ -90,6 +99,8 @@ class Completion:
     matched_stop: int | str | None
     weight_version: str
     seed: int
+    #: when it happened, in seconds since submission (``None`` where not measured)
+    timing: Timing | None = field(default=None, compare=False)
 
     @property
     def completion_tokens(self) -> int:

@@ -1,11 +1,13 @@
-"""Per-sequence model state for continuous batching: attention KV plus linear-attention states.
+"""The Hugging Face path's per-sequence state: attention KV plus linear-attention states.
 
-:class:`SlotStore` keeps the state of up to ``max_slots`` sequences in preallocated tensors whose
-first dimension is the slot. Active sequences always occupy rows ``[0, n)``: a decode step works
-on plain views (no gather), a finished sequence is removed by moving the last row into its place.
+The engine runs a model without a lean forward (:mod:`miles_core.engine.lean_model`) through its
+own Hugging Face modules, handing them this module's :class:`StepCache`. :class:`SlotStore` keeps
+the state of up to ``max_slots`` sequences in preallocated tensors whose first dimension is the
+row; decoding sequences occupy rows ``[0, n)`` (the engine keeps them compact), so a decode step
+works on plain views.
 
 * attention layers: ``K``/``V`` of shape ``[slots, kv_heads, capacity, head_dim]``; row ``r``
-  holds its first ``length[r]`` positions. Capacity grows by doubling.
+  holds its first ``lengths[r]`` positions. Capacity grows by doubling.
 * linear-attention (Gated DeltaNet) layers: the causal-conv window ``[slots, channels, kernel]``
   and the recurrent state ``[slots, heads, k_dim, v_dim]``.
 
@@ -28,49 +30,37 @@ SUPPORTED_LAYER_TYPES = frozenset({LINEAR_ATTENTION, FULL_ATTENTION})
 
 
 class SlotStore:
-    """The state tensors of every active sequence, one row per sequence."""
+    """The state tensors of up to ``max_slots`` sequences, one row per sequence."""
 
     def __init__(self, max_slots: int, *, initial_capacity: int = 256) -> None:
         self.max_slots = max_slots
         self.capacity = initial_capacity
-        self.lengths: list[int] = []  # tokens stored per active row
+        self.lengths: list[int] = [0] * max_slots  # tokens stored per row
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
 
-    @property
-    def active(self) -> int:
-        return len(self.lengths)
-
     # -- row management ---------------------------------------------------------------------
 
-    def add_row(self) -> int:
-        if self.active >= self.max_slots:
-            raise RuntimeError(f"all {self.max_slots} slots are in use")
-        self.lengths.append(0)
-        return self.active - 1
-
-    def copy_row(self, source: int, target: int) -> None:
-        """Make ``target`` hold the same sequence state as ``source``."""
-        n = self.lengths[source]
+    def copy_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Row ``targets[i]`` becomes a copy of row ``sources[i]`` (all sources read first)."""
+        if not sources:
+            return
+        n = max(self.lengths[r] for r in sources)
         for store in (self.keys, self.values):
             for t in store.values():
-                t[target, :, :n] = t[source, :, :n]
+                t[targets, :, :n] = t[sources, :, :n]
         for store in (self.conv, self.recurrent):
             for t in store.values():
-                t[target] = t[source]
-        self.lengths[target] = n
+                t[targets] = t[sources]
+        lengths = [self.lengths[r] for r in sources]
+        for row, length in zip(targets, lengths):
+            self.lengths[row] = length
 
-    def remove_row(self, row: int) -> None:
-        """Drop ``row``; the last row moves into its place (callers mirror the move)."""
-        last = self.active - 1
-        if row != last:
-            self.copy_row(last, row)
-        self.lengths.pop()
-
-    def clear(self) -> None:
-        self.lengths.clear()
+    def clear_lengths(self, rows: range | list[int]) -> None:
+        for row in rows:
+            self.lengths[row] = 0
 
     def ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -131,13 +121,13 @@ class _LayerViews:
 class StepCache(Cache):
     """The cache object of one forward pass over rows of a :class:`SlotStore`."""
 
-    def __init__(self, store: SlotStore, *, prefill_row: int | None, query_len: int) -> None:
+    def __init__(self, store: SlotStore, *, prefill_row: int | None, query_len: int, rows: int = 1) -> None:
         super().__init__(layers=[])
         self.layers = _LayerViews(self)  # type: ignore[assignment]
         self.store = store
         self.prefill_row = prefill_row
         self.query_len = query_len
-        self.rows = 1 if prefill_row is not None else store.active
+        self.rows = 1 if prefill_row is not None else rows
         self._arange: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
 

@@ -143,18 +143,31 @@ def test_bf16_engine_runs_and_stays_close(tiny_dir) -> None:
     assert out.completion_tokens == 8 and all(lp <= 0 for lp in out.logprobs)
 
 
-def test_negative_control_a_cache_that_drops_the_recurrent_state_is_caught(tiny_dir, teacher_forced, monkeypatch) -> None:
-    """The teacher-forced comparison detects a broken hybrid cache (it is not vacuous)."""
-    from miles_core.engine.slot_cache import StepCache
+@pytest.mark.parametrize("runner", ["lean", "hf"])
+def test_negative_control_dropping_the_recurrent_state_is_caught(tiny_dir, teacher_forced, monkeypatch, runner) -> None:
+    """The teacher-forced comparison detects a broken hybrid state (it is not vacuous), on both runners."""
+    if runner == "hf":
+        from miles_core.engine.slot_cache import StepCache
 
-    real = StepCache.get_recurrent_state
+        real = StepCache.get_recurrent_state
 
-    def forgetful(self, layer_idx, state_idx=0):
-        state = real(self, layer_idx, state_idx)
-        return None if state is None else torch.zeros_like(state)
+        def forgetful(self, layer_idx, state_idx=0):
+            state = real(self, layer_idx, state_idx)
+            return None if state is None else torch.zeros_like(state)
 
-    monkeypatch.setattr(StepCache, "get_recurrent_state", forgetful)
-    with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=2)) as broken:
+        monkeypatch.setattr(StepCache, "get_recurrent_state", forgetful)
+    else:
+        from miles_core.engine import gdn_ops
+
+        real_step = gdn_ops.recurrent_decode
+
+        def forgetful_step(q, k, v, g, beta, state, *args):
+            state.zero_()
+            return real_step(q, k, v, g, beta, state, *args)
+
+        monkeypatch.setattr(gdn_ops, "recurrent_decode", forgetful_step)
+    with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=2, runner=runner)) as broken:
+        assert broken.runner == runner
         request = GenerationRequest(_prompts(1, seed=9)[0], SamplingParams(max_tokens=16, seed=0, ignore_eos=True))
         completion = broken.generate([request])[0]
     reference = teacher_forced(request.input_ids, completion.token_ids, request.sampling)

@@ -1,0 +1,173 @@
+"""Gated DeltaNet kernels of the lean forward: batched decode step and padded chunked prefill.
+
+Decode (one token per row) updates the rows' causal-conv windows and recurrent states *in place*
+(``conv`` ``[n, kernel, channels]``, ``state`` ``[n, v_heads, k_dim, v_dim]`` fp32, views of the
+engine's slot tensors), so a step needs no gather and no scatter. On CUDA with fla importable the
+recurrent update is fla's fused kernel; elsewhere it is written out in torch with the arithmetic
+of transformers' ``torch_recurrent_gated_delta_rule`` (the reference the engine is tested
+against).
+
+Prefill runs a batch of segments, right-padded to a common length. Padding positions get
+``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state a segment ends with is
+exactly the state after its last real token, whatever the padding; the causal convolution cannot
+see padding to the right of a token. Each segment starts from its row's state (zero for a fresh
+prompt, the previous chunk's for a continuation), which is what makes chunked prefill exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported Gated DeltaNet activation {name!r} (supported: {', '.join(_ACTIVATIONS)})") from None
+
+
+@functools.cache
+def fla_ops() -> Any | None:
+    """fla's gated-delta-rule module when it imports (it needs triton and a GPU driver), else ``None``."""
+    try:
+        return importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception:  # ImportError, or triton failing to find a driver on import
+        return None
+
+
+@functools.cache
+def torch_chunk_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """transformers' pure-torch chunked gated delta rule (the function beneath its kernel-hub wrappers,
+    which bind fla's Triton kernel whenever fla imports, whatever the device)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+
+def l2norm(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (``eps`` a 0-dim tensor: 1e-6 as transformers and fla)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def conv_decode(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One causal-conv step for every row: ``x`` ``[n, C]``, ``conv`` ``[n, K, C]`` (channels last,
+    updated in place: the window now ends with ``x``), ``weight`` ``[C, K]``. Returns the
+    pre-activation output ``[n, C]`` in fp32."""
+    window = torch.cat([conv[:, 1:], x[:, None, :].to(conv.dtype)], dim=1)
+    conv.copy_(window)
+    out = (window.float() * weight.t().float()).sum(1)
+    return out if bias is None else out + bias.float()
+
+
+def conv_prefill(
+    x: torch.Tensor, conv: torch.Tensor, lengths: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal conv over right-padded segments: ``x`` ``[S, L, C]``, ``conv`` ``[S, K, C]`` the window
+    each segment continues from (zeros for a fresh one), ``lengths`` ``[S]`` real tokens per segment.
+
+    Returns the pre-activation output ``[S, L, C]`` (fp32) and each segment's new window ``[S, K, C]``:
+    its last ``K`` real inputs, preceded by the old window where the segment is shorter than ``K``.
+    Written as ``K`` shifted multiply-adds (channels last, no transposes), which one CPU thread runs
+    several times faster than a depthwise ``conv1d``.
+    """
+    width, kernel = x.shape[1], weight.shape[-1]
+    full = torch.cat([conv.to(x.dtype), x], dim=1)  # [S, K + L, C]
+    full32, w = full.float(), weight.float()
+    out = full32[:, 1 : 1 + width] * w[:, 0]
+    for j in range(1, kernel):
+        out = torch.addcmul(out, full32[:, 1 + j : 1 + j + width], w[:, j])
+    if bias is not None:
+        out = out + bias.float()
+    index = (lengths[:, None, None] + torch.arange(kernel, device=x.device)[:, None]).expand(-1, -1, x.shape[2])
+    return out, full.gather(1, index).to(conv.dtype)
+
+
+def recurrent_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    eps: torch.Tensor,
+    sqrt_dk: torch.Tensor,
+) -> torch.Tensor:
+    """One gated-delta-rule step per row, ``state`` ``[n, Hv, Dk, Dv]`` (fp32) updated in place.
+
+    ``q``/``k`` ``[n, Hk, Dk]`` (not yet normalised), ``v`` ``[n, Hv, Dv]``, ``g``/``beta`` ``[n, Hv]``,
+    ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse (0-dim tensors).
+    Value head ``j`` reads key head ``j // (Hv // Hk)`` (transformers' ``repeat_interleave``).
+    Returns ``[n, Hv, Dv]`` fp32.
+    """
+    n, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    if state.is_cuda and fla_ops() is not None:
+        return _fla_recurrent_decode(q, k, v, g, beta, state)
+    rep = hv // hk
+    q = l2norm(q.float(), eps) / sqrt_dk
+    k = l2norm(k.float(), eps)
+    s = state.view(n, hk, rep, dk, dv)
+    s.mul_(g.exp().view(n, hk, rep, 1, 1))
+    memory = (s * k.view(n, hk, 1, dk, 1)).sum(-2)  # [n, hk, rep, dv]
+    delta = (v.float().view(n, hk, rep, dv) - memory) * beta.float().view(n, hk, rep, 1)
+    s.add_(k.view(n, hk, 1, dk, 1) * delta[:, :, :, None, :])
+    return (s * q.view(n, hk, 1, dk, 1)).sum(-2).view(n, hv, dv)
+
+
+def _fla_recurrent_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    out, final = fla_ops().fused_recurrent_gated_delta_rule(
+        q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None].float(),
+        scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    state.copy_(final)
+    return out[:, 0].float()
+
+
+def torch_chunk_size(width: int) -> int:
+    """Chunk length of the torch prefill for segments ``width`` long. Work inside a chunk is
+    quadratic in its length, padding fills the last chunk, and chunks run one after another: short
+    prompts (GRPO's, chat turns) are cheapest in chunks of 16, long ones in transformers' 64."""
+    return 16 if width <= 128 else 32 if width <= 512 else 64
+
+
+def chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    packed_index: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule over right-padded segments.
+
+    ``q``/``k`` ``[S, L, Hk, Dk]``, ``v`` ``[S, L, Hv, Dv]``, ``g``/``beta`` ``[S, L, Hv]``, ``state``
+    ``[S, Hv, Dk, Dv]`` fp32 (each segment's initial state), zero ``g`` and ``beta`` in the padding;
+    ``packed_index`` ``[T]`` the flat positions of the real tokens in ``S * L``. Returns the output of the real tokens,
+    packed ``[T, Hv, Dv]``, and the final states ``[S, Hv, Dk, Dv]`` (fp32).
+
+    On CUDA with fla the segments run packed through fla's variable-length kernel (``cu_seqlens``);
+    otherwise through transformers' torch implementation on the padded batch.
+    """
+    if q.is_cuda and cu_seqlens is not None and fla_ops() is not None:
+        def packed(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, *t.shape[2:])[packed_index][None]
+
+        out, final = fla_ops().chunk_gated_delta_rule(
+            q=packed(q), k=packed(k), v=packed(v), g=packed(g).float(), beta=packed(beta).float(),
+            scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        )
+        return out[0], final.float()
+    out, final = torch_chunk_rule()(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        chunk_size=torch_chunk_size(q.shape[1]),
+    )
+    return out.reshape(-1, *out.shape[2:])[packed_index], final

@@ -1,0 +1,487 @@
+"""The engine's own forward (decode step and chunked prefill) for the architectures it knows.
+
+It reads the Hugging Face model's own parameter tensors at every call (nothing is copied or
+fused), so a weight update copied into the model is seen at once, and a CUDA graph captured over
+it keeps reading the same memory. The arithmetic is that of the Hugging Face modules; the engine's
+tests compare every generated log-prob with a teacher-forced forward of the Hugging Face model.
+
+Supported: ``Qwen3_5ForCausalLM`` (Gated DeltaNet + gated full attention, Qwen3.5 text models)
+and ``Qwen3ForCausalLM`` (dense attention), with SiLU MLPs and a position-independent RoPE.
+:func:`unsupported_reason` says why any other model takes the Hugging Face path
+(:mod:`miles_core.engine.hf_runner`).
+
+Shapes: a decode step runs rows ``[0, n)`` of :class:`~miles_core.engine.state.SlotState`, one token
+each. A prefill runs ``S`` segments (row, first position, tokens), packed ``[T, hidden]`` for the
+token-wise layers and right-padded ``[S, L, ...]`` for the sequence mixers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles_core.engine import gdn_ops
+from miles_core.engine.state import SlotState, StateShapes
+
+_STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
+_ARCHITECTURES = {
+    # class name -> (decoder layer class, attention class, GDN class, MLP class, zero-centred norms, gated attention)
+    "Qwen3_5ForCausalLM": ("Qwen3_5DecoderLayer", "Qwen3_5Attention", "Qwen3_5GatedDeltaNet", "Qwen3_5MLP", True, True),
+    "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen3Attention", None, "Qwen3MLP", False, False),
+}
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the lean forward cannot run ``model`` (``None`` when it can)."""
+    name = type(model).__name__
+    if name not in _ARCHITECTURES:
+        return f"{name} has no lean forward (supported: {', '.join(_ARCHITECTURES)})"
+    layer_cls, attn_cls, gdn_cls, mlp_cls, _, _ = _ARCHITECTURES[name]
+    config = model.config
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"hidden_act {config.hidden_act!r} (the lean forward has SiLU MLPs)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _STATIC_ROPE:
+        return f"rope_type {rope_type!r} depends on the sequence length"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    for index, layer in enumerate(model.model.layers):
+        if type(layer).__name__ != layer_cls:
+            return f"layer {index} is a {type(layer).__name__}, not a {layer_cls}"
+        mixer = getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None)
+        if type(mixer).__name__ not in (attn_cls, gdn_cls) or type(layer.mlp).__name__ != mlp_cls:
+            return f"layer {index} has a {type(mixer).__name__} / {type(layer.mlp).__name__}"
+        if getattr(mixer, "sliding_window", None):
+            return f"layer {index} uses sliding-window attention"
+    return None
+
+
+@dataclass
+class _Norm:
+    weight: torch.Tensor
+    zero_centred: bool  # Qwen3.5: x * (1 + w) in fp32; Qwen3: w * x in the input dtype
+    eps: torch.Tensor  # 0-dim fp32 (tensor operands: a Python scalar costs a conversion per op)
+    inv_dim: torch.Tensor
+
+
+def _norm(module: Any, zero_centred: bool) -> _Norm:
+    eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
+    weight = module.weight
+    return _Norm(weight, zero_centred, _const(eps, weight.device), _const(1.0 / weight.shape[-1], weight.device))
+
+
+def _const(value: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
+    """HF's RMSNorm in fp32: ``x * rsqrt(mean(x^2) + eps)``, then ``* (1 + w)`` or ``w *``."""
+    xf = _fp32(x)
+    y = xf * torch.rsqrt(torch.addcmul(norm.eps, (xf * xf).sum(-1, keepdim=True), norm.inv_dim))
+    if norm.zero_centred:
+        y = torch.addcmul(y, y, _fp32(norm.weight))  # y * (1 + w)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    return norm.weight * (y if y.dtype == x.dtype else y.to(x.dtype))
+
+
+class _Fused:
+    """Linear layers that read the same input, computed as one matmul split into their outputs.
+
+    Their Hugging Face parameters are re-pointed at consecutive row slices of one buffer (same
+    values, same ``Parameter`` objects): a weight update copied into a parameter lands in the
+    buffer, and nothing is duplicated. ``save_pretrained`` clones such disjoint slices when saving.
+    Layers that cannot share a buffer (different dtypes, some with a bias and some without) stay
+    separate matmuls.
+    """
+
+    def __init__(self, modules: list[Any]) -> None:
+        self.modules = modules
+        self.sizes = [m.weight.shape[0] for m in modules]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        weights = [m.weight for m in modules]
+        biases = [m.bias for m in modules]
+        same_kind = all(w.dtype == weights[0].dtype and w.device == weights[0].device and w.dim() == 2
+                        and w.shape[1] == weights[0].shape[1] and w.is_contiguous() for w in weights)
+        if not same_kind or any(b is None for b in biases) != all(b is None for b in biases):
+            return
+        self.weight = _shared_rows(weights)
+        self.bias = None if biases[0] is None else _shared_rows(biases)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.weight is not None:
+            return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return [F.linear(x, m.weight, m.bias) for m in self.modules]
+
+
+def _shared_rows(params: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor whose consecutive row blocks are ``params`` (re-pointing them at it, unless they
+    already are such blocks: a second engine on the same model reuses the first one's buffer)."""
+    first = params[0].data
+    rows = sum(p.shape[0] for p in params)
+    shape = (rows, *first.shape[1:])
+    row_size = first[0].numel() if first.dim() > 1 else 1
+    offset = first.storage_offset()
+    consecutive = True
+    for p in params:
+        data = p.data
+        if data.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or data.storage_offset() != offset:
+            consecutive = False
+            break
+        offset += data.numel()
+    if consecutive and offset - first.storage_offset() == rows * row_size:
+        return first.as_strided(shape, torch.empty(shape, device="meta").stride())
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            p.data = fused[start : start + p.shape[0]]
+            start += p.shape[0]
+    return fused
+
+
+@dataclass
+class _Attention:
+    index: int  # among attention layers
+    qkv: _Fused
+    o: Any
+    q_norm: _Norm
+    k_norm: _Norm
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: torch.Tensor  # 0-dim fp32
+    gated: bool
+
+
+@dataclass
+class _GDN:
+    index: int  # among GDN layers
+    projections: _Fused  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    conv: Any
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: _Norm
+    out: Any
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    act: Any
+    sqrt_dk: torch.Tensor  # 0-dim: decode queries are divided by sqrt(k_dim), as in transformers
+
+
+@dataclass
+class _Layer:
+    input_norm: _Norm
+    post_norm: _Norm
+    mixer: _Attention | _GDN
+    gate_up: _Fused
+    down: Any
+
+
+@dataclass
+class Prefill:
+    """One prefill batch on the device (built by :meth:`LeanModel.prefill_batch`)."""
+
+    ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    rows: torch.Tensor  # [S]
+    starts: torch.Tensor  # [S]
+    lengths: torch.Tensor  # [S] tokens of this chunk
+    packed_index: torch.Tensor  # [T]: flat position in [S * L]
+    last: torch.Tensor  # [S]: packed index of each segment's last token
+    cu_seqlens: torch.Tensor  # [S + 1]
+    width: int  # L
+    keys: int  # attention span: max(start + length)
+
+
+class LeanModel:
+    """Decode step and prefill of a supported model over a :class:`SlotState` (see the module doc)."""
+
+    def __init__(self, model: Any, *, max_model_len: int) -> None:
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(reason)
+        name = type(model).__name__
+        zero_centred, gated = _ARCHITECTURES[name][4], _ARCHITECTURES[name][5]
+        self.model = model
+        core = model.model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.embed = core.embed_tokens
+        self.lm_head = model.lm_head
+        self.final_norm = _norm(core.norm, zero_centred)
+        self.layers: list[_Layer] = []
+        attention = gdn = 0
+        for layer in core.layers:
+            if hasattr(layer, "linear_attn"):
+                m = layer.linear_attn
+                mixer: _Attention | _GDN = _GDN(
+                    gdn, _Fused([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]), m.conv1d, m.A_log, m.dt_bias,
+                    _norm(m.norm, False), m.out_proj, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+                    gdn_ops.activation(m.activation), _const(m.head_k_dim**0.5, self.device),
+                )
+                gdn += 1
+            else:
+                m = layer.self_attn
+                config = model.config
+                mixer = _Attention(
+                    attention, _Fused([m.q_proj, m.k_proj, m.v_proj]), m.o_proj, _norm(m.q_norm, zero_centred),
+                    _norm(m.k_norm, zero_centred), config.num_attention_heads, config.num_key_value_heads,
+                    m.head_dim, _const(m.scaling, self.device), gated,
+                )
+                attention += 1
+            self.layers.append(_Layer(_norm(layer.input_layernorm, zero_centred),
+                                      _norm(layer.post_attention_layernorm, zero_centred),
+                                      mixer, _Fused([layer.mlp.gate_proj, layer.mlp.up_proj]), layer.mlp.down_proj))
+        self.max_model_len = max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.l2_eps = _const(1e-6, self.device)  # transformers' and fla's l2norm epsilon
+        with torch.no_grad():
+            positions = torch.arange(max_model_len, device=self.device)[None]
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = core.rotary_emb(probe, positions)
+        # HF rotates the first `rot` dims of each head: q*cos + rotate_half(q)*sin, rotate_half(q) =
+        # [-q2, q1]. Here q*C + q[..., perm]*S with C = [cos, 1], S = [-sin1, sin2, 0]: the same
+        # products and sum (exact), for the queries and keys of all heads in four ops.
+        head_dim = next((y.mixer.head_dim for y in self.layers if isinstance(y.mixer, _Attention)), cos.shape[-1])
+        rot, half = cos.shape[-1], cos.shape[-1] // 2
+        cos, sin = cos[0], sin[0]
+        self.cos = torch.cat([cos, cos.new_ones(max_model_len, head_dim - rot)], -1).contiguous()
+        self.sin = torch.cat([-sin[:, :half], sin[:, half:], sin.new_zeros(max_model_len, head_dim - rot)], -1).contiguous()
+        self.rotate = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)]).to(self.device)
+        self.arange = torch.arange(max(max_model_len, 1), device=self.device)
+
+    def state_shapes(self) -> StateShapes:
+        attn = [layer.mixer for layer in self.layers if isinstance(layer.mixer, _Attention)]
+        gdn = [layer.mixer for layer in self.layers if isinstance(layer.mixer, _GDN)]
+        a = attn[0] if attn else None
+        g = gdn[0] if gdn else None
+        return StateShapes(
+            attention_layers=len(attn), kv_heads=a.kv_heads if a else 0, head_dim=a.head_dim if a else 0,
+            gdn_layers=len(gdn), conv_channels=g.conv.weight.shape[0] if g else 0,
+            conv_kernel=g.conv.weight.shape[-1] if g else 0, v_heads=g.v_heads if g else 0,
+            k_dim=g.k_dim if g else 0, v_dim=g.v_dim if g else 0,
+        )
+
+    # -- shared pieces ----------------------------------------------------------------------
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., heads, head_dim]``, ``cos``/``sin`` ``[..., 1, head_dim]``."""
+        return x * cos + x[..., self.rotate] * sin
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(x)
+        return F.linear(F.silu(gate) * up, layer.down.weight)
+
+    def _qkv(self, m: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated queries ``[T, H, D]``, keys and values ``[T, kvH, D]``, and the output gate."""
+        t = x.shape[0]
+        q, k, v = m.qkv(x)
+        gate = None
+        if m.gated:
+            q, gate = q.reshape(t, m.heads, 2 * m.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, m.heads * m.head_dim)
+        q = rms_norm(q.reshape(t, m.heads, m.head_dim), m.q_norm)
+        k = rms_norm(k.reshape(t, m.kv_heads, m.head_dim), m.k_norm)
+        v = v.reshape(t, m.kv_heads, m.head_dim)
+        qk = self._rope(torch.cat([q, k], dim=1), cos[:, None], sin[:, None])
+        return qk[:, : m.heads], qk[:, m.heads :], v, gate
+
+    def _attention_out(self, m: _Attention, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, m.o.weight, m.o.bias)
+
+    def _gdn_projections(self, m: _GDN, x: torch.Tensor):
+        qkv, z, b, a = m.projections(x)
+        beta = torch.sigmoid(b)
+        g = -_fp32(m.A_log).exp() * F.softplus(_fp32(a) + m.dt_bias)
+        return qkv, z, beta, g
+
+    def _gdn_out(self, m: _GDN, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm of ``core`` ``[T, Hv, Dv]`` with gate ``z`` ``[T, Hv * Dv]``, then the output projection."""
+        t = core.shape[0]
+        normed = rms_norm(core if core.dtype == self.dtype else core.to(self.dtype), m.norm)
+        y = normed * F.silu(_fp32(z.view(t, m.v_heads, m.v_dim)))
+        return F.linear((y if y.dtype == self.dtype else y.to(self.dtype)).view(t, m.v_heads * m.v_dim), m.out.weight)
+
+    def _split_qkv(self, m: _GDN, mixed: torch.Tensor):
+        key = m.k_heads * m.k_dim
+        lead = mixed.shape[:-1]
+        q = mixed[..., :key].reshape(*lead, m.k_heads, m.k_dim)
+        k = mixed[..., key : 2 * key].reshape(*lead, m.k_heads, m.k_dim)
+        v = mixed[..., 2 * key :].reshape(*lead, m.v_heads, m.v_dim)
+        return q, k, v
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return _fp32(F.linear(rms_norm(h, self.final_norm), self.lm_head.weight))
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def decode(self, state: SlotState, ids: torch.Tensor, span: int) -> torch.Tensor:
+        """One token for each of rows ``[0, n)`` (``n = len(ids)``): logits ``[n, vocab]`` (fp32).
+
+        Positions are ``state.lengths[:n]``; attention reads ``span`` positions per row (at least
+        the longest row's length + 1). Advances ``state.lengths[:n]`` on the device only. No host
+        synchronisation: the step can be captured in a CUDA graph.
+        """
+        n = ids.shape[0]
+        positions = state.lengths[:n]
+        rows = self.arange[:n]
+        cos, sin = self.cos[positions], self.sin[positions]
+        allowed = self.arange[:span] <= positions[:, None]  # [n, span]
+        if self.device.type == "cuda":
+            mask = allowed[:, None, None, :]
+        else:  # additive bias for the batched-matmul attention below
+            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
+        h = F.embedding(ids, self.embed.weight)
+        for layer in self.layers:
+            x = rms_norm(h, layer.input_norm)
+            m = layer.mixer
+            if isinstance(m, _GDN):
+                x = self._gdn_decode(m, x, state, n)
+            else:
+                q, k, v, gate = self._qkv(m, x, cos, sin)
+                keys, values = state.kv[m.index, 0], state.kv[m.index, 1]
+                keys[rows, :, positions] = k
+                values[rows, :, positions] = v
+                out = self._decode_attention(m, q, keys[:n, :, :span], values[:n, :, :span], mask)
+                x = self._attention_out(m, out, gate)
+            h = h + x
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm))
+        positions.add_(1)
+        return self._logits(h)
+
+    def _decode_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[n, H, D]`` against ``keys``/``values`` ``[n, kvH, span, D]`` -> ``[n, H * D]``.
+
+        On CUDA, SDPA (softmax in fp32 whatever the dtype). On CPU two batched matmuls with an
+        additive mask: one CPU thread spends less on them than on SDPA's kernel for one query.
+        """
+        n = q.shape[0]
+        if self.device.type == "cuda":
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=m.scaling,
+                                                 enable_gqa=m.heads != m.kv_heads)
+            return out.reshape(n, m.heads * m.head_dim)
+        rep, span = m.heads // m.kv_heads, keys.shape[2]
+        scores = torch.bmm((q * m.scaling).view(n * m.kv_heads, rep, m.head_dim), keys.flatten(0, 1).transpose(1, 2))
+        probs = (_fp32(scores).view(n, m.heads, span) + mask[:, None, :]).softmax(-1)
+        out = torch.bmm(probs.to(q.dtype).view(n * m.kv_heads, rep, span), values.flatten(0, 1))
+        return out.view(n, m.heads * m.head_dim)
+
+    def _gdn_decode(self, m: _GDN, x: torch.Tensor, state: SlotState, n: int) -> torch.Tensor:
+        qkv, z, beta, g = self._gdn_projections(m, x)
+        conv = state.conv[m.index, :n]
+        mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv.weight[:, 0], m.conv.bias))
+        mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)
+        q, k, v = self._split_qkv(m, mixed)
+        core = gdn_ops.recurrent_decode(q, k, v, g, beta, state.recurrent[m.index, :n], self.l2_eps, m.sqrt_dk)
+        return self._gdn_out(m, core, z)
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def prefill_batch(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> Prefill:
+        """Device tensors for a prefill of ``chunks[i]`` into row ``rows[i]`` from position ``starts[i]``."""
+        lengths = [len(c) for c in chunks]
+        width = max(lengths)
+        ids, positions, packed_index, last, cu = [], [], [], [], [0]
+        for s, (start, chunk) in enumerate(zip(starts, chunks)):
+            ids.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            packed_index.extend(range(s * width, s * width + len(chunk)))
+            cu.append(cu[-1] + len(chunk))
+            last.append(cu[-1] - 1)
+        tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        lengths_t = tensor(lengths)
+        return Prefill(
+            ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=lengths_t,
+            packed_index=tensor(packed_index),
+            last=tensor(last), cu_seqlens=tensor(cu), width=width,
+            keys=max(s + n for s, n in zip(starts, lengths)),
+        )
+
+    def prefill(self, state: SlotState, batch: Prefill) -> torch.Tensor:
+        """Run the batch's chunks into their rows; logits ``[S, vocab]`` (fp32) at each segment's last token.
+
+        The rows' state before the chunk is their state after ``starts[i]`` tokens (fresh rows must
+        have been reset). ``state.lengths`` of the rows become ``start + length``.
+        """
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        h = F.embedding(batch.ids, self.embed.weight)
+        for layer in self.layers:
+            x = rms_norm(h, layer.input_norm)
+            m = layer.mixer
+            if isinstance(m, _GDN):
+                x = self._gdn_prefill(m, x, state, batch)
+            else:
+                q, k, v, gate = self._qkv(m, x, cos, sin)
+                keys, values = state.kv[m.index, 0], state.kv[m.index, 1]
+                token_rows = batch.rows.repeat_interleave(batch.lengths, output_size=x.shape[0])
+                keys[token_rows, :, batch.positions] = k
+                values[token_rows, :, batch.positions] = v
+                out = self._prefill_attention(m, self._pad(q, batch), keys, values, batch)
+                x = self._attention_out(m, out, gate)
+            h = h + x
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm))
+        state.lengths[batch.rows] = batch.starts + batch.lengths
+        return self._logits(h[batch.last])
+
+    def _prefill_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           batch: Prefill) -> torch.Tensor:
+        """Padded queries ``[S, L, H, D]`` against their rows' cached keys ``[0, start + L)``: the packed
+        output ``[T, H * D]``. Causal within each segment; padding queries attend to whatever is there
+        (their outputs are dropped)."""
+        segments, width, span = batch.rows.shape[0], batch.width, batch.keys
+        q_pos = batch.starts[:, None] + self.arange[:width][None, :]
+        allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
+        k, v = keys[batch.rows, :, :span], values[batch.rows, :, :span]  # [S, kvH, span, D]
+        if self.device.type == "cuda":
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=m.scaling,
+                                                 enable_gqa=m.heads != m.kv_heads).transpose(1, 2)
+        else:
+            rep = m.heads // m.kv_heads
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
+            q = (q * m.scaling).view(segments, width, m.kv_heads, rep, m.head_dim).permute(0, 2, 3, 1, 4)
+            scores = torch.bmm(q.reshape(segments * m.kv_heads, rep * width, m.head_dim), k.flatten(0, 1).transpose(1, 2))
+            probs = (_fp32(scores).view(segments, m.kv_heads, rep, width, span) + bias[:, None, None]).softmax(-1)
+            out = torch.bmm(probs.to(q.dtype).view(segments * m.kv_heads, rep * width, span), v.flatten(0, 1))
+            out = out.view(segments, m.kv_heads, rep, width, m.head_dim).permute(0, 3, 1, 2, 4)
+        return self._unpad(out.reshape(segments, width, m.heads * m.head_dim), batch)
+
+    def _pad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
+        """Packed ``[T, ...]`` -> right-padded ``[S, L, ...]`` (zeros in the padding)."""
+        out = x.new_zeros((batch.rows.shape[0] * batch.width, *x.shape[1:]))
+        out[batch.packed_index] = x
+        return out.view(batch.rows.shape[0], batch.width, *x.shape[1:])
+
+    def _unpad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
+        return x.reshape(-1, *x.shape[2:])[batch.packed_index]
+
+    def _gdn_prefill(self, m: _GDN, x: torch.Tensor, state: SlotState, batch: Prefill) -> torch.Tensor:
+        qkv, z, beta, g = self._gdn_projections(m, x)
+        conv_rows = state.conv[m.index]
+        out, window = gdn_ops.conv_prefill(
+            self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv.weight[:, 0], m.conv.bias
+        )
+        conv_rows[batch.rows] = window
+        mixed = m.act(out)
+        mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)  # [S, L, C]
+        q, k, v = self._split_qkv(m, mixed)
+        recurrent = state.recurrent[m.index]
+        core, final = gdn_ops.chunk_prefill(
+            q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows], batch.packed_index,
+            batch.cu_seqlens,
+        )
+        recurrent[batch.rows] = final
+        return self._gdn_out(m, core, z)

@@ -1,0 +1,115 @@
+"""Preallocated per-slot model state of the lean runner: attention KV, causal-conv windows, recurrent states.
+
+Every tensor's slot dimension is indexed by *row*. Rows ``[0, max_slots)`` hold decoding sequences,
+kept compact (``[0, n)`` while ``n`` sequences decode) so that a decode step works on plain views;
+``staging`` extra rows hold prompts whose prefill spans several chunks. All layers of one kind
+live in one tensor, so moving rows (compaction, copying a prompt's state to its samples) is one
+indexed copy per kind:
+
+* ``kv``: ``[attention_layers, 2, rows, kv_heads, capacity, head_dim]`` in the model dtype;
+  ``capacity`` grows by doubling up to ``max_model_len`` (which invalidates captured graphs: see
+  :attr:`generation`);
+* ``conv``: ``[gdn_layers, rows, kernel, channels]`` in the model dtype (channels last: the
+  window's shift and the taps' sum run over contiguous rows);
+* ``recurrent``: ``[gdn_layers, rows, v_heads, k_dim, v_dim]`` in fp32;
+* ``lengths``: tokens stored per row, on the device (positions of the next token) and mirrored on
+  the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateShapes:
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    gdn_layers: int
+    conv_channels: int
+    conv_kernel: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+
+class SlotState:
+    def __init__(
+        self,
+        shapes: StateShapes,
+        *,
+        max_slots: int,
+        staging: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        initial_capacity: int = 256,
+    ) -> None:
+        self.shapes = shapes
+        self.max_slots = max_slots
+        self.rows = max_slots + staging
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.device = device
+        #: bumped whenever a tensor is reallocated (CUDA graphs captured before must be dropped)
+        self.generation = 0
+        self.capacity = min(initial_capacity, max_model_len)
+        s = shapes
+        self.kv = torch.zeros((s.attention_layers, 2, self.rows, s.kv_heads, self.capacity, s.head_dim), dtype=dtype, device=device)
+        self.conv = torch.zeros((s.gdn_layers, self.rows, s.conv_kernel, s.conv_channels), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((s.gdn_layers, self.rows, s.v_heads, s.k_dim, s.v_dim), dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.host_lengths = [0] * self.rows
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Make room for ``needed`` positions per row (reallocating: bumps :attr:`generation`)."""
+        if needed <= self.capacity:
+            return
+        if needed > self.max_model_len:
+            raise RuntimeError(f"{needed} positions exceed max_model_len {self.max_model_len}")
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        capacity = min(capacity, self.max_model_len)
+        grown = self.kv.new_zeros((*self.kv.shape[:4], capacity, self.kv.shape[5]))
+        grown[:, :, :, :, : self.capacity] = self.kv
+        self.kv = grown
+        self.capacity = capacity
+        self.generation += 1
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """Start ``rows`` as fresh sequences: no tokens, zero conv windows and recurrent states."""
+        if not rows:
+            return
+        index = torch.tensor(rows, device=self.device)
+        self.conv.index_fill_(1, index, 0)
+        self.recurrent.index_fill_(1, index, 0)
+        self.lengths.index_fill_(0, index, 0)
+        for row in rows:
+            self.host_lengths[row] = 0
+
+    def copy_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Row ``targets[i]`` becomes a copy of row ``sources[i]``, all at once (the sources are read
+        before any target is written, so permutations and repeated sources are fine)."""
+        if not sources:
+            return
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(targets, device=self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]
+        self.lengths[dst] = self.lengths[src]
+        lengths = [self.host_lengths[r] for r in sources]
+        for row, n in zip(targets, lengths):
+            self.host_lengths[row] = n
+
+    def clear_lengths(self, rows: range) -> None:
+        """Free rows keep their tensors but count no tokens (positions stay inside the KV capacity
+        when a CUDA graph computes padding rows)."""
+        if len(rows):
+            self.lengths[rows.start : rows.stop] = 0
+            for row in rows:
+                self.host_lengths[row] = 0
