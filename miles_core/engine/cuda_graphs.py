@@ -2,7 +2,9 @@
 
 A decode step of ``n`` rows replays the graph captured for the smallest bucket ``B >= n`` (rows
 ``[n, B)`` are free rows: they compute on garbage and their lengths are zeroed again after the
-replay) and the smallest power-of-two span covering the longest row. A graph is captured the
+replay) and the smallest power-of-two span covering the longest row. Without capture
+(``cuda_graphs=False``) the step runs eagerly on the same padded shapes, so both paths launch the
+same kernels on the same inputs and give the same tokens. A graph is captured the
 first time its key is needed, the way PyTorch documents it: the step runs eagerly on a side
 stream first (that run *is* the step: its logits are returned, and it warms up cuBLAS and
 Triton), then the same call is recorded into the graph (recording executes nothing). All graphs
@@ -32,11 +34,12 @@ def batch_buckets(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, decode: DecodeFn, state: SlotState, *, min_span: int = 64) -> None:
+    def __init__(self, decode: DecodeFn, state: SlotState, *, capture: bool = True, min_span: int = 64) -> None:
         if state.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.decode = decode
         self.state = state
+        self.capture = capture
         self.buckets = batch_buckets(state.max_slots)
         self.min_span = min_span
         self.ids = torch.zeros(state.max_slots, dtype=torch.long, device=state.device)
@@ -62,7 +65,9 @@ class DecodeGraphs:
         bucket, graph_span = self.key(n, span)
         self.ids[:n].copy_(ids)
         entry = self.graphs.get((bucket, graph_span))
-        if entry is None:
+        if not self.capture:
+            logits = self.decode(self.state, self.ids[:bucket], graph_span)
+        elif entry is None:
             logits = self._capture(bucket, graph_span)
         else:
             entry[0].replay()

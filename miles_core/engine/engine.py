@@ -460,7 +460,8 @@ class Engine:
             plan.append(_Segment(staged, staged.prefilled, list(staged.prompt[staged.prefilled : staged.prefilled + take])))
             budget -= take
         free = self.config.max_batch_size - self._running_count()
-        leaders: dict[tuple[int, ...], _Sequence] = {}
+        # a request whose prompt is being prefilled (now or in an earlier chunk) copies that state
+        leaders: dict[tuple[int, ...], _Sequence] = {s.prompt: s for s in self._staged}
         now = time.perf_counter()
         while self._waiting and free > 0 and not (self._updates or self._closed):
             sequence = self._waiting[0]

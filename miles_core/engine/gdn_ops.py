@@ -40,8 +40,13 @@ def fla_ops() -> Any | None:
     """fla's gated-delta-rule module when it imports (it needs triton and a GPU driver), else ``None``."""
     try:
         return importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:  # ImportError, or triton failing to find a driver on import
+    except ImportError:
         return None
+
+
+def use_fla(t: torch.Tensor) -> bool:
+    """Whether ``t``'s kernels go to fla (CUDA tensors, fla importable)."""
+    return t.is_cuda and fla_ops() is not None
 
 
 @functools.cache
@@ -105,7 +110,7 @@ def recurrent_decode(
     """
     n, hk, dk = k.shape
     hv, dv = v.shape[1:]
-    if state.is_cuda and fla_ops() is not None:
+    if use_fla(state):
         return _fla_recurrent_decode(q, k, v, g, beta, state)
     rep = hv // hk
     q = l2norm(q.float(), eps) / sqrt_dk
@@ -121,12 +126,25 @@ def recurrent_decode(
 def _fla_recurrent_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
+    # the arguments transformers' GDN layer passes fla (g fp32, beta in the model dtype)
     out, final = fla_ops().fused_recurrent_gated_delta_rule(
-        q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None].float(),
+        q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
         scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     state.copy_(final)
     return out[:, 0].float()
+
+
+def _cpu_seqlens(cu_seqlens_cpu: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """``cu_seqlens_cpu`` for fla releases that take it (it spares them a device-to-host copy)."""
+    if cu_seqlens_cpu is None:
+        return {}
+    return {"cu_seqlens_cpu": cu_seqlens_cpu} if "cu_seqlens_cpu" in _chunk_parameters() else {}
+
+
+@functools.cache
+def _chunk_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(fla_ops().chunk_gated_delta_rule).parameters)
 
 
 def torch_chunk_size(width: int) -> int:
@@ -145,6 +163,7 @@ def chunk_prefill(
     state: torch.Tensor,
     packed_index: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule over right-padded segments.
 
@@ -156,14 +175,14 @@ def chunk_prefill(
     On CUDA with fla the segments run packed through fla's variable-length kernel (``cu_seqlens``);
     otherwise through transformers' torch implementation on the padded batch.
     """
-    if q.is_cuda and cu_seqlens is not None and fla_ops() is not None:
+    if use_fla(q):
         def packed(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(-1, *t.shape[2:])[packed_index][None]
 
         out, final = fla_ops().chunk_gated_delta_rule(
-            q=packed(q), k=packed(k), v=packed(v), g=packed(g).float(), beta=packed(beta).float(),
+            q=packed(q), k=packed(k), v=packed(v), g=packed(g), beta=packed(beta),
             scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **_cpu_seqlens(cu_seqlens_cpu),
         )
         return out[0], final.float()
     out, final = torch_chunk_rule()(

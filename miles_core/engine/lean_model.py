@@ -158,8 +158,9 @@ class _Attention:
     heads: int
     kv_heads: int
     head_dim: int
-    scaling: torch.Tensor  # 0-dim fp32
+    scale: float  # head_dim ** -0.5 (SDPA's argument)
     gated: bool
+    scaling: torch.Tensor  # the same, 0-dim fp32 (an operand of the CPU matmul path)
 
 
 @dataclass
@@ -200,6 +201,7 @@ class Prefill:
     packed_index: torch.Tensor  # [T]: flat position in [S * L]
     last: torch.Tensor  # [S]: packed index of each segment's last token
     cu_seqlens: torch.Tensor  # [S + 1]
+    cu_seqlens_cpu: torch.Tensor  # the same on the host
     width: int  # L
     keys: int  # attention span: max(start + length)
 
@@ -237,7 +239,7 @@ class LeanModel:
                 mixer = _Attention(
                     attention, _Fused([m.q_proj, m.k_proj, m.v_proj]), m.o_proj, _norm(m.q_norm, zero_centred),
                     _norm(m.k_norm, zero_centred), config.num_attention_heads, config.num_key_value_heads,
-                    m.head_dim, _const(m.scaling, self.device), gated,
+                    m.head_dim, float(m.scaling), gated, _const(m.scaling, self.device),
                 )
                 attention += 1
             self.layers.append(_Layer(_norm(layer.input_layernorm, zero_centred),
@@ -260,6 +262,8 @@ class LeanModel:
         self.sin = torch.cat([-sin[:, :half], sin[:, half:], sin.new_zeros(max_model_len, head_dim - rot)], -1).contiguous()
         self.rotate = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)]).to(self.device)
         self.arange = torch.arange(max(max_model_len, 1), device=self.device)
+        #: attention through SDPA (CUDA: fp32 softmax and accumulation) or batched matmuls (CPU)
+        self.sdpa = self.device.type == "cuda"
 
     def state_shapes(self) -> StateShapes:
         attn = [layer.mixer for layer in self.layers if isinstance(layer.mixer, _Attention)]
@@ -340,7 +344,7 @@ class LeanModel:
         rows = self.arange[:n]
         cos, sin = self.cos[positions], self.sin[positions]
         allowed = self.arange[:span] <= positions[:, None]  # [n, span]
-        if self.device.type == "cuda":
+        if self.sdpa:
             mask = allowed[:, None, None, :]
         else:  # additive bias for the batched-matmul attention below
             mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
@@ -366,16 +370,18 @@ class LeanModel:
                           mask: torch.Tensor) -> torch.Tensor:
         """``q`` ``[n, H, D]`` against ``keys``/``values`` ``[n, kvH, span, D]`` -> ``[n, H * D]``.
 
-        On CUDA, SDPA (softmax in fp32 whatever the dtype). On CPU two batched matmuls with an
-        additive mask: one CPU thread spends less on them than on SDPA's kernel for one query.
+        The ``H / kvH`` query heads that share a KV head are that head's queries (a query axis of
+        length ``H / kvH``), so attention never repeats K and V. On CUDA through SDPA (fp32 softmax
+        and accumulation whatever the dtype); on CPU as two batched matmuls with an additive mask,
+        which one thread runs faster than SDPA's CPU kernel for one query.
         """
-        n = q.shape[0]
-        if self.device.type == "cuda":
-            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=m.scaling,
-                                                 enable_gqa=m.heads != m.kv_heads)
+        n, rep = q.shape[0], m.heads // m.kv_heads
+        grouped = q.view(n, m.kv_heads, rep, m.head_dim)
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=m.scale)
             return out.reshape(n, m.heads * m.head_dim)
-        rep, span = m.heads // m.kv_heads, keys.shape[2]
-        scores = torch.bmm((q * m.scaling).view(n * m.kv_heads, rep, m.head_dim), keys.flatten(0, 1).transpose(1, 2))
+        span = keys.shape[2]
+        scores = torch.bmm((grouped * m.scaling).view(n * m.kv_heads, rep, m.head_dim), keys.flatten(0, 1).transpose(1, 2))
         probs = (_fp32(scores).view(n, m.heads, span) + mask[:, None, :]).softmax(-1)
         out = torch.bmm(probs.to(q.dtype).view(n * m.kv_heads, rep, span), values.flatten(0, 1))
         return out.view(n, m.heads * m.head_dim)
@@ -407,7 +413,7 @@ class LeanModel:
         return Prefill(
             ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=lengths_t,
             packed_index=tensor(packed_index),
-            last=tensor(last), cu_seqlens=tensor(cu), width=width,
+            last=tensor(last), cu_seqlens=tensor(cu), cu_seqlens_cpu=torch.tensor(cu), width=width,
             keys=max(s + n for s, n in zip(starts, lengths)),
         )
 
@@ -441,22 +447,23 @@ class LeanModel:
                            batch: Prefill) -> torch.Tensor:
         """Padded queries ``[S, L, H, D]`` against their rows' cached keys ``[0, start + L)``: the packed
         output ``[T, H * D]``. Causal within each segment; padding queries attend to whatever is there
-        (their outputs are dropped)."""
+        (their outputs are dropped). Query heads sharing a KV head are stacked on the query axis."""
         segments, width, span = batch.rows.shape[0], batch.width, batch.keys
+        rep = m.heads // m.kv_heads
         q_pos = batch.starts[:, None] + self.arange[:width][None, :]
         allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
         k, v = keys[batch.rows, :, :span], values[batch.rows, :, :span]  # [S, kvH, span, D]
-        if self.device.type == "cuda":
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=m.scaling,
-                                                 enable_gqa=m.heads != m.kv_heads).transpose(1, 2)
+        grouped = q.view(segments, width, m.kv_heads, rep, m.head_dim).permute(0, 2, 3, 1, 4)  # [S, kvH, rep, L, D]
+        grouped = grouped.reshape(segments, m.kv_heads, rep * width, m.head_dim)
+        if self.sdpa:
+            mask = allowed[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=m.scale)
         else:
-            rep = m.heads // m.kv_heads
             bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
-            q = (q * m.scaling).view(segments, width, m.kv_heads, rep, m.head_dim).permute(0, 2, 3, 1, 4)
-            scores = torch.bmm(q.reshape(segments * m.kv_heads, rep * width, m.head_dim), k.flatten(0, 1).transpose(1, 2))
+            scores = torch.bmm((grouped * m.scaling).flatten(0, 1), k.flatten(0, 1).transpose(1, 2))
             probs = (_fp32(scores).view(segments, m.kv_heads, rep, width, span) + bias[:, None, None]).softmax(-1)
             out = torch.bmm(probs.to(q.dtype).view(segments * m.kv_heads, rep * width, span), v.flatten(0, 1))
-            out = out.view(segments, m.kv_heads, rep, width, m.head_dim).permute(0, 3, 1, 2, 4)
+        out = out.view(segments, m.kv_heads, rep, width, m.head_dim).permute(0, 3, 1, 2, 4)
         return self._unpad(out.reshape(segments, width, m.heads * m.head_dim), batch)
 
     def _pad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
@@ -481,7 +488,7 @@ class LeanModel:
         recurrent = state.recurrent[m.index]
         core, final = gdn_ops.chunk_prefill(
             q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows], batch.packed_index,
-            batch.cu_seqlens,
+            batch.cu_seqlens, batch.cu_seqlens_cpu,
         )
         recurrent[batch.rows] = final
         return self._gdn_out(m, core, z)

@@ -74,11 +74,11 @@ class LeanRunner:
         )
         self.rows = self.state.rows
         self.lengths = self.state.host_lengths
-        self.graphs = None
-        if cuda_graphs and self.model.device.type == "cuda":
+        self.graphs = None  # on CUDA: decode steps padded to graph buckets, replayed unless cuda_graphs=False
+        if self.model.device.type == "cuda":
             from miles_core.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model.decode, self.state)
+            self.graphs = DecodeGraphs(self.model.decode, self.state, capture=cuda_graphs)
 
     def reset_rows(self, rows: list[int]) -> None:
         self.state.reset_rows(rows)
@@ -110,8 +110,8 @@ class LeanRunner:
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"runner": self.name, "kv_capacity": self.state.capacity,
-                                "cuda_graphs": self.graphs is not None}
-        if self.graphs is not None:
+                                "cuda_graphs": self.graphs is not None and self.graphs.capture}
+        if self.graphs is not None and self.graphs.capture:
             info.update(graphs=len(self.graphs.graphs), graph_captures=self.graphs.captures,
                         graph_replays=self.graphs.replays)
         return info

@@ -36,6 +36,7 @@ def check_embedded(model_path: str | None = None) -> dict[str, Any]:
     device = gdn_model_device()
     with Engine.from_pretrained(path, EngineConfig(max_batch_size=2, dtype="float32", device=device)) as engine:
         completions = engine.generate(requests)
+        runner = engine.runner_info()
         worst = 0.0
         for request, completion in zip(requests, completions):
             ids = torch.tensor([[*request.input_ids, *completion.token_ids]], device=device)
@@ -48,5 +49,5 @@ def check_embedded(model_path: str | None = None) -> dict[str, Any]:
         raise AssertionError(
             f"engine log-probs differ from a teacher-forced forward by {worst:.2e} (> {tolerance:g} on {device})"
         )
-    return {"model": str(path), "device": device, "max_abs_logprob_diff": worst, "tolerance": tolerance,
-            "patches": engine.patch_report.applied}
+    return {"model": str(path), "device": device, "runner": runner["runner"], "cuda_graphs": runner["cuda_graphs"],
+            "max_abs_logprob_diff": worst, "tolerance": tolerance, "patches": engine.patch_report.applied}

@@ -1,6 +1,8 @@
 """The embedded engine on a CUDA GPU: the tiny preset in fp32 and the small-gpu preset in bf16.
 
-Skips without CUDA. The 1e-5 log-prob contract is checked on CPU (test_engine.py); here the fp32
+Skips without CUDA. The default runner there is the lean forward with its decode step replayed from
+CUDA graphs; ``cuda_graphs=False`` runs the same step eagerly and must give the same tokens at
+temperature 0 (the graph replays the very kernels the eager step launches). The 1e-5 log-prob contract is checked on CPU (test_engine.py); here the fp32
 bound is the engine self-check's CUDA tolerance (5e-4): fla's Triton kernels run tf32 dot products
 whatever torch's tf32 switches say (the reason the gdn-packing probe allows 2e-3 relative on CUDA),
 and its recurrent decode kernel sums in another order than its chunked prefill. Measured on an H200
@@ -52,3 +54,54 @@ def test_small_gpu_preset_serves_64_concurrent_requests(tmp_path) -> None:
         completions = engine.generate(_requests(64, 32))
         assert engine.stats()["decode_steps"] < 64 * 32 // 4
     assert all(c.completion_tokens == 32 and all(-1e9 < lp <= 0 for lp in c.logprobs) for c in completions)
+
+
+def _mixed(n: int, vocab: int = 256) -> list[GenerationRequest]:
+    """Greedy requests whose lengths differ (the batch shrinks through several graph buckets); the
+    250-token prompt grows the KV capacity past 256 (graphs recaptured on the new tensors)."""
+    requests = [
+        GenerationRequest([(11 * i + 3 * j) % vocab for j in range(3 + (i * 7) % 40)],
+                          SamplingParams(max_tokens=4 + (i * 5) % 29, temperature=0.0, ignore_eos=True))
+        for i in range(n)
+    ]
+    requests.append(GenerationRequest([(5 * j) % vocab for j in range(250)], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    return requests
+
+
+@pytest.mark.parametrize("preset, dtype", [("tiny", "float32"), ("small-gpu", "bfloat16")])
+def test_cuda_graphs_equal_the_eager_step_at_temperature_0(tmp_path, preset: str, dtype: str) -> None:
+    from miles_core.engine.loader import load_model
+
+    loaded = load_model(preset_dir(preset, tmp_path), dtype=dtype, device="cuda")
+    requests = _mixed(40)
+    with Engine(loaded, EngineConfig(max_batch_size=48, cuda_graphs=False)) as eager:
+        assert eager.runner_info()["cuda_graphs"] is False
+        by_eager = eager.generate(requests)
+    with Engine(loaded, EngineConfig(max_batch_size=48)) as graphed:
+        info = graphed.runner_info()
+        assert info["runner"] == "lean" and info["cuda_graphs"] is True
+        by_graph = graphed.generate(requests)
+        again = graphed.generate(requests)  # replays only
+        info = graphed.runner_info()
+    assert info["graph_replays"] > 0 and info["graph_captures"] >= 2 and info["kv_capacity"] >= 512
+    assert [c.token_ids for c in by_graph] == [c.token_ids for c in by_eager] == [c.token_ids for c in again]
+    # Both paths launch the same kernels on the same padded shapes: equal up to cuBLAS choosing
+    # another algorithm inside a capture (its workspace differs), i.e. the dtype's rounding.
+    worst = max(abs(a - b) for g, e in zip(by_graph, by_eager) for a, b in zip(g.logprobs, e.logprobs))
+    assert worst <= (1e-5 if dtype == "float32" else 5e-2)
+
+
+def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(tmp_path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    requests = _requests(8, 24)
+    for runner in ("lean", "hf"):
+        config = EngineConfig(device="cuda", dtype="float32", max_batch_size=8, runner=runner)
+        with Engine.from_pretrained(preset_dir("tiny", tmp_path), config) as engine:
+            assert engine.runner == runner
+            completions = engine.generate(requests)
+            for request, completion in zip(requests, completions):
+                ids = torch.tensor([[*request.input_ids, *completion.token_ids]], device="cuda")
+                with torch.inference_mode():
+                    logprobs = engine.model(ids).logits[0, len(request.input_ids) - 1 : -1].float().log_softmax(-1)
+                expected = logprobs.gather(-1, torch.tensor(completion.token_ids, device="cuda")[:, None]).squeeze(-1).cpu()
+                assert (expected - torch.tensor(completion.logprobs)).abs().max() <= logprob_tolerance("cuda")

@@ -47,3 +47,20 @@ def test_greedy_picks_the_argmax_and_reports_the_model_log_prob() -> None:
     tokens, logprobs = sample(LOGITS[None], [SamplingParams(temperature=0.0)], [0.999])
     assert tokens == [0]
     assert logprobs[0] == pytest.approx(float(LOGITS.log_softmax(-1)[0]))
+
+
+def test_rows_with_different_parameters_sample_as_if_alone() -> None:
+    """One batched draw over rows with different temperature / top-k / top-p / greedy settings gives
+    each row exactly what it gets alone (the filter's sort runs for every row once any row filters)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_k=5),
+              SamplingParams(top_p=0.3), SamplingParams(temperature=2.0, top_k=10, top_p=0.8), SamplingParams(top_k=-1)]
+    rng = random.Random(1)
+    for _ in range(20):
+        uniforms = [rng.random() for _ in params]
+        tokens, logprobs = sample(logits, params, uniforms)
+        for i, (p, u) in enumerate(zip(params, uniforms)):
+            alone_tokens, alone_logprobs = sample(logits[i : i + 1], [p], [u])
+            assert alone_tokens == [tokens[i]]
+            assert alone_logprobs == pytest.approx([logprobs[i]], abs=1e-6)

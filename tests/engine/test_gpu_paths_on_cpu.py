@@ -1,0 +1,133 @@
+"""The GPU code paths of the lean forward, checked on the CPU against the CPU paths.
+
+On CUDA the lean forward attends through SDPA (query heads grouped per KV head), sends the Gated
+DeltaNet kernels to fla (packed variable-length prefill with per-segment initial states, fused
+recurrent decode whose final state is copied back into the slot), and replays decode steps whose
+batch is padded up to a CUDA-graph bucket. None of that needs a GPU to be *shaped* right: here the
+SDPA branch runs on CPU tensors, fla is replaced by a stand-in with fla's documented signature
+and semantics built from transformers' torch kernels, and a padded step runs eagerly. Each must
+give the logits of the CPU path (same fp32 arithmetic up to summation order: <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.engine import gdn_ops
+from miles_core.engine.cuda_graphs import batch_buckets
+from miles_core.engine.lean_model import LeanModel
+from miles_core.engine.state import SlotState
+
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
+
+PROMPTS = [[5], [1, 2, 3], list(range(40, 110)), [random.Random(0).randrange(256) for _ in range(33)]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    from miles_core.engine.loader import load_model
+
+    torch.set_num_threads(1)
+    return load_model(tiny_dir, dtype="float32", device="cpu").model
+
+
+def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6, pad_to: int | None = None) -> list[torch.Tensor]:
+    """Prefill PROMPTS (in chunks of ``chunk`` tokens) and decode ``steps`` fixed tokens; every step's logits."""
+    lean = LeanModel(model, max_model_len=512)
+    lean.sdpa = sdpa
+    n = len(PROMPTS)
+    rows = max(n, pad_to or 0)
+    state = SlotState(lean.state_shapes(), max_slots=rows, staging=0, max_model_len=512, dtype=torch.float32,
+                      device=torch.device("cpu"))
+    out = []
+    with torch.inference_mode():
+        state.reset_rows(list(range(n)))
+        done = [0] * n
+        while any(d < len(p) for d, p in zip(done, PROMPTS)):
+            live = [i for i in range(n) if done[i] < len(PROMPTS[i])]
+            take = [PROMPTS[i][done[i] : done[i] + (chunk or len(PROMPTS[i]))] for i in live]
+            out.append(lean.prefill(state, lean.prefill_batch(live, [done[i] for i in live], take)))
+            for i, t in zip(live, take):
+                done[i] += len(t)
+        for step in range(steps):
+            ids = torch.tensor([(7 * step + 3 * i) % 256 for i in range(rows)])
+            span = max(len(p) for p in PROMPTS) + step + 1
+            logits = lean.decode(state, ids, span)[:n]
+            if pad_to:
+                state.lengths[n:pad_to] = 0  # what DecodeGraphs does after a padded replay
+            out.append(logits)
+    return out
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x.log_softmax(-1) - y.log_softmax(-1)).abs().max()) for x, y in zip(a, b))
+
+
+def test_sdpa_attention_branch_equals_the_matmul_branch(tiny_model) -> None:
+    assert _close(_run(tiny_model, sdpa=True, chunk=16), _run(tiny_model, sdpa=False, chunk=16)) <= 1e-5
+
+
+class _FlaStandIn:
+    """fla's two entry points with fla's documented semantics, on transformers' torch kernels."""
+
+    def __init__(self) -> None:
+        import inspect
+
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+
+        self.recurrent = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
+        self.chunk = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+        self.calls: list[str] = []
+
+    def fused_recurrent_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                         use_qk_l2norm_in_kernel, cu_seqlens=None):
+        assert scale == k.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel and cu_seqlens is None
+        assert initial_state.dtype == torch.float32 and initial_state.shape[0] == q.shape[0]
+        self.calls.append("recurrent")
+        return self.recurrent(q, k, v, g=g, beta=beta, initial_state=initial_state.clone(), output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+
+    def chunk_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu=None):
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and len(cu_seqlens) - 1 == initial_state.shape[0]
+        assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        self.calls.append("chunk")
+        outs, finals = [], []
+        bounds = cu_seqlens.tolist()
+        for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+            o, f = self.chunk(q[:, start:end], k[:, start:end], v[:, start:end], g=g[:, start:end], beta=beta[:, start:end],
+                              initial_state=initial_state[i : i + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, dim=1), torch.cat(finals)
+
+
+def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
+    reference = _run(tiny_model, chunk=24)
+    stand_in = _FlaStandIn()
+    monkeypatch.setattr(gdn_ops, "fla_ops", lambda: stand_in)
+    monkeypatch.setattr(gdn_ops, "use_fla", lambda t: True)
+    monkeypatch.setattr(gdn_ops, "_chunk_parameters", lambda: frozenset({"cu_seqlens_cpu"}))
+    with_fla = _run(tiny_model, chunk=24)
+    assert {"chunk", "recurrent"} <= set(stand_in.calls)
+    assert _close(with_fla, reference) <= 1e-5
+
+
+def test_rows_padding_a_decode_batch_leave_the_real_rows_alone(tiny_model) -> None:
+    """A CUDA graph captured for 8 rows serving 4 computes 4 free rows too: the real rows' logits
+    and states must not depend on them."""
+    assert _close(_run(tiny_model, pad_to=8, steps=10), _run(tiny_model, steps=10)) <= 1e-6
+
+
+def test_batch_buckets_cover_every_batch_size() -> None:
+    for max_rows in (1, 3, 64, 300, 880):
+        buckets = batch_buckets(max_rows)
+        assert buckets[-1] == max_rows and buckets == sorted(set(buckets))
+        assert all(any(b >= n for b in buckets) for n in range(1, max_rows + 1))
+    assert batch_buckets(64)[:5] == [1, 2, 4, 8, 16]
