@@ -43,7 +43,8 @@ class DecodeGraphs:
         self.buckets = batch_buckets(state.max_slots)
         self.min_span = min_span
         self.ids = torch.zeros(state.max_slots, dtype=torch.long, device=state.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(state.device):
+            self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.generation = state.generation
         self.captures = 0

@@ -392,6 +392,8 @@ class Engine:
                 self._fail_waiting(RuntimeError(self._crashed))
 
     def _serve(self) -> None:
+        if self.device.type == "cuda":  # streams and graph captures of this thread go to the model's GPU
+            torch.cuda.set_device(self.device)
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -658,6 +660,7 @@ class Engine:
                 if staged.followers:
                     heir, *rest = staged.followers
                     heir.row, heir.prefilled, heir.followers = staged.row, staged.prefilled, rest
+                    self._row_params.set([heir.row], [heir.params])
                     self._staged.append(heir)
         for sequence in hit:
             sequence.future.set_exception(aborted(f"request {sequence.request_id} was aborted"))

@@ -97,30 +97,30 @@ def conv_prefill(
 
 
 def recurrent_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    eps: torch.Tensor,
-    sqrt_dk: torch.Tensor,
+    qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    eps: torch.Tensor, sqrt_dk: torch.Tensor,
 ) -> torch.Tensor:
     """One gated-delta-rule step per row, ``state`` ``[n, Hv, Dk, Dv]`` (fp32) updated in place.
 
-    ``q``/``k`` ``[n, Hk, Dk]`` (not yet normalised), ``v`` ``[n, Hv, Dv]``, ``g``/``beta`` ``[n, Hv]``,
-    ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse (0-dim tensors).
-    Value head ``j`` reads key head ``j // (Hv // Hk)`` (transformers' ``repeat_interleave``).
-    Returns ``[n, Hv, Dv]`` fp32.
+    ``qk`` ``[n, 2 * Hk, Dk]``: queries then keys, not yet normalised; ``v`` ``[n, Hv, Dv]``,
+    ``g``/``beta`` ``[n, Hv]``; ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse
+    (0-dim tensors). Value head ``j`` reads key head ``j // (Hv // Hk)`` (transformers'
+    ``repeat_interleave``). Returns ``[n, Hv, Dv]`` fp32.
     """
-    n, hk, dk = k.shape
+    n, hk2, dk = qk.shape
+    hk = hk2 // 2
     hv, dv = v.shape[1:]
     if use_fla(state):
-        return _fla_recurrent_decode(q, k, v, g, beta, state)
+        return _fla_recurrent_decode(qk[:, :hk], qk[:, hk:], v, g, beta, state)
     rep = hv // hk
-    q = l2norm(q.float(), eps) / sqrt_dk
-    k = l2norm(k.float(), eps)
+    qk = l2norm(qk.float(), eps)  # queries and keys normalised together
+    q, k = qk[:, :hk] / sqrt_dk, qk[:, hk:]
     s = state.view(n, hk, rep, dk, dv)
     s.mul_(g.exp().view(n, hk, rep, 1, 1))
-    memory = (s * k.view(n, hk, 1, dk, 1)).sum(-2)  # [n, hk, rep, dv]
+    memory = (s * k.reshape(n, hk, 1, dk, 1)).sum(-2)  # [n, hk, rep, dv]
     delta = (v.float().view(n, hk, rep, dv) - memory) * beta.float().view(n, hk, rep, 1)
-    s.add_(k.view(n, hk, 1, dk, 1) * delta[:, :, :, None, :])
-    return (s * q.view(n, hk, 1, dk, 1)).sum(-2).view(n, hv, dv)
+    s.add_(k.reshape(n, hk, 1, dk, 1) * delta[:, :, :, None, :])
+    return (s * q.reshape(n, hk, 1, dk, 1)).sum(-2).view(n, hv, dv)
 
 
 def _fla_recurrent_decode(

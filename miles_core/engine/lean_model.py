@@ -66,12 +66,13 @@ class _Norm:
     zero_centred: bool  # Qwen3.5: x * (1 + w) in fp32; Qwen3: w * x in the input dtype
     eps: torch.Tensor  # 0-dim fp32 (tensor operands: a Python scalar costs a conversion per op)
     inv_dim: torch.Tensor
+    eps_value: float
 
 
 def _norm(module: Any, zero_centred: bool) -> _Norm:
     eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
     weight = module.weight
-    return _Norm(weight, zero_centred, _const(eps, weight.device), _const(1.0 / weight.shape[-1], weight.device))
+    return _Norm(weight, zero_centred, _const(eps, weight.device), _const(1.0 / weight.shape[-1], weight.device), float(eps))
 
 
 def _const(value: float, device: torch.device) -> torch.Tensor:
@@ -161,6 +162,12 @@ class _Attention:
     scale: float  # head_dim ** -0.5 (SDPA's argument)
     gated: bool
     scaling: torch.Tensor  # the same, 0-dim fp32 (an operand of the CPU matmul path)
+
+    def qk_norm(self) -> _Norm:
+        """``q_norm`` for the query heads and ``k_norm`` for the key heads, as one per-head norm."""
+        q, k = self.q_norm, self.k_norm
+        weight = torch.cat([q.weight.expand(self.heads, -1), k.weight.expand(self.kv_heads, -1)])
+        return _Norm(weight, q.zero_centred, q.eps, q.inv_dim, q.eps_value)
 
 
 @dataclass
@@ -295,11 +302,13 @@ class LeanModel:
         if m.gated:
             q, gate = q.reshape(t, m.heads, 2 * m.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, m.heads * m.head_dim)
-        q = rms_norm(q.reshape(t, m.heads, m.head_dim), m.q_norm)
-        k = rms_norm(k.reshape(t, m.kv_heads, m.head_dim), m.k_norm)
-        v = v.reshape(t, m.kv_heads, m.head_dim)
-        qk = self._rope(torch.cat([q, k], dim=1), cos[:, None], sin[:, None])
-        return qk[:, : m.heads], qk[:, m.heads :], v, gate
+        q, k = q.reshape(t, m.heads, m.head_dim), k.reshape(t, m.kv_heads, m.head_dim)
+        if m.q_norm.eps_value == m.k_norm.eps_value:  # per-head norms of all heads at once
+            qk = rms_norm(torch.cat([q, k], dim=1), m.qk_norm())
+        else:
+            qk = torch.cat([rms_norm(q, m.q_norm), rms_norm(k, m.k_norm)], dim=1)
+        qk = self._rope(qk, cos[:, None], sin[:, None])
+        return qk[:, : m.heads], qk[:, m.heads :], v.reshape(t, m.kv_heads, m.head_dim), gate
 
     def _attention_out(self, m: _Attention, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
@@ -356,10 +365,15 @@ class LeanModel:
                 x = self._gdn_decode(m, x, state, n)
             else:
                 q, k, v, gate = self._qkv(m, x, cos, sin)
-                keys, values = state.kv[m.index, 0], state.kv[m.index, 1]
-                keys[rows, :, positions] = k
+                keys, values = state.keys[m.index], state.values[m.index]
+                if state.keys_transposed:
+                    keys[rows, :, :, positions] = k
+                    span_keys = keys[:n, :, :, :span]
+                else:
+                    keys[rows, :, positions] = k
+                    span_keys = keys[:n, :, :span]
                 values[rows, :, positions] = v
-                out = self._decode_attention(m, q, keys[:n, :, :span], values[:n, :, :span], mask)
+                out = self._decode_attention(m, q, span_keys, values[:n, :, :span], mask, state.keys_transposed)
                 x = self._attention_out(m, out, gate)
             h = h + x
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm))
@@ -367,8 +381,9 @@ class LeanModel:
         return self._logits(h)
 
     def _decode_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[n, H, D]`` against ``keys``/``values`` ``[n, kvH, span, D]`` -> ``[n, H * D]``.
+                          mask: torch.Tensor, keys_transposed: bool) -> torch.Tensor:
+        """``q`` ``[n, H, D]`` against ``values`` ``[n, kvH, span, D]`` and ``keys`` of the same shape,
+        or transposed ``[n, kvH, D, span]`` (how the CPU stores them) -> ``[n, H * D]``.
 
         The ``H / kvH`` query heads that share a KV head are that head's queries (a query axis of
         length ``H / kvH``), so attention never repeats K and V. On CUDA through SDPA (fp32 softmax
@@ -378,10 +393,12 @@ class LeanModel:
         n, rep = q.shape[0], m.heads // m.kv_heads
         grouped = q.view(n, m.kv_heads, rep, m.head_dim)
         if self.sdpa:
+            keys = keys.transpose(2, 3) if keys_transposed else keys
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=m.scale)
             return out.reshape(n, m.heads * m.head_dim)
-        span = keys.shape[2]
-        scores = torch.bmm((grouped * m.scaling).view(n * m.kv_heads, rep, m.head_dim), keys.flatten(0, 1).transpose(1, 2))
+        span = values.shape[2]
+        k_t = keys.flatten(0, 1) if keys_transposed else keys.flatten(0, 1).transpose(1, 2)
+        scores = torch.bmm((grouped * m.scaling).view(n * m.kv_heads, rep, m.head_dim), k_t)
         probs = (_fp32(scores).view(n, m.heads, span) + mask[:, None, :]).softmax(-1)
         out = torch.bmm(probs.to(q.dtype).view(n * m.kv_heads, rep, span), values.flatten(0, 1))
         return out.view(n, m.heads * m.head_dim)
@@ -391,8 +408,10 @@ class LeanModel:
         conv = state.conv[m.index, :n]
         mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv.weight[:, 0], m.conv.bias))
         mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)
-        q, k, v = self._split_qkv(m, mixed)
-        core = gdn_ops.recurrent_decode(q, k, v, g, beta, state.recurrent[m.index, :n], self.l2_eps, m.sqrt_dk)
+        key = m.k_heads * m.k_dim
+        qk = mixed[:, : 2 * key].view(n, 2 * m.k_heads, m.k_dim)
+        v = mixed[:, 2 * key :].view(n, m.v_heads, m.v_dim)
+        core = gdn_ops.recurrent_decode(qk, v, g, beta, state.recurrent[m.index, :n], self.l2_eps, m.sqrt_dk)
         return self._gdn_out(m, core, z)
 
     # -- prefill ----------------------------------------------------------------------------
@@ -432,11 +451,14 @@ class LeanModel:
                 x = self._gdn_prefill(m, x, state, batch)
             else:
                 q, k, v, gate = self._qkv(m, x, cos, sin)
-                keys, values = state.kv[m.index, 0], state.kv[m.index, 1]
+                keys, values = state.keys[m.index], state.values[m.index]
                 token_rows = batch.rows.repeat_interleave(batch.lengths, output_size=x.shape[0])
-                keys[token_rows, :, batch.positions] = k
+                if state.keys_transposed:
+                    keys[token_rows, :, :, batch.positions] = k
+                else:
+                    keys[token_rows, :, batch.positions] = k
                 values[token_rows, :, batch.positions] = v
-                out = self._prefill_attention(m, self._pad(q, batch), keys, values, batch)
+                out = self._prefill_attention(m, self._pad(q, batch), keys, values, batch, state.keys_transposed)
                 x = self._attention_out(m, out, gate)
             h = h + x
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm))
@@ -444,7 +466,7 @@ class LeanModel:
         return self._logits(h[batch.last])
 
     def _prefill_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           batch: Prefill) -> torch.Tensor:
+                           batch: Prefill, keys_transposed: bool) -> torch.Tensor:
         """Padded queries ``[S, L, H, D]`` against their rows' cached keys ``[0, start + L)``: the packed
         output ``[T, H * D]``. Causal within each segment; padding queries attend to whatever is there
         (their outputs are dropped). Query heads sharing a KV head are stacked on the query axis."""
@@ -452,15 +474,18 @@ class LeanModel:
         rep = m.heads // m.kv_heads
         q_pos = batch.starts[:, None] + self.arange[:width][None, :]
         allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
-        k, v = keys[batch.rows, :, :span], values[batch.rows, :, :span]  # [S, kvH, span, D]
+        v = values[batch.rows, :, :span]  # [S, kvH, span, D]
+        k = keys[batch.rows, :, :, :span] if keys_transposed else keys[batch.rows, :, :span]  # [S, kvH, D, span] or as v
         grouped = q.view(segments, width, m.kv_heads, rep, m.head_dim).permute(0, 2, 3, 1, 4)  # [S, kvH, rep, L, D]
         grouped = grouped.reshape(segments, m.kv_heads, rep * width, m.head_dim)
         if self.sdpa:
             mask = allowed[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
+            k = k.transpose(2, 3) if keys_transposed else k
             out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=m.scale)
         else:
             bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
-            scores = torch.bmm((grouped * m.scaling).flatten(0, 1), k.flatten(0, 1).transpose(1, 2))
+            k_t = k.flatten(0, 1) if keys_transposed else k.flatten(0, 1).transpose(1, 2)
+            scores = torch.bmm((grouped * m.scaling).flatten(0, 1), k_t)
             probs = (_fp32(scores).view(segments, m.kv_heads, rep, width, span) + bias[:, None, None]).softmax(-1)
             out = torch.bmm(probs.to(q.dtype).view(segments * m.kv_heads, rep * width, span), v.flatten(0, 1))
         out = out.view(segments, m.kv_heads, rep, width, m.head_dim).permute(0, 3, 1, 2, 4)

@@ -70,7 +70,7 @@ class LeanRunner:
         self.staging = staging
         self.state = SlotState(
             self.model.state_shapes(), max_slots=max_slots, staging=staging, max_model_len=max_model_len,
-            dtype=self.model.dtype, device=self.model.device,
+            dtype=self.model.dtype, device=self.model.device, keys_transposed=not self.model.sdpa,
         )
         self.rows = self.state.rows
         self.lengths = self.state.host_lengths

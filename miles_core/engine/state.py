@@ -6,9 +6,11 @@ kept compact (``[0, n)`` while ``n`` sequences decode) so that a decode step wor
 live in one tensor, so moving rows (compaction, copying a prompt's state to its samples) is one
 indexed copy per kind:
 
-* ``kv``: ``[attention_layers, 2, rows, kv_heads, capacity, head_dim]`` in the model dtype;
-  ``capacity`` grows by doubling up to ``max_model_len`` (which invalidates captured graphs: see
-  :attr:`generation`);
+* ``keys``: ``[attention_layers, rows, kv_heads, capacity, head_dim]`` in the model dtype, or
+  ``[attention_layers, rows, kv_heads, head_dim, capacity]`` with ``keys_transposed`` (the CPU's
+  batched matmuls read ``K^T`` as stored); ``values``: ``[attention_layers, rows, kv_heads,
+  capacity, head_dim]``. ``capacity`` grows by doubling up to ``max_model_len`` (which
+  invalidates captured graphs: see :attr:`generation`);
 * ``conv``: ``[gdn_layers, rows, kernel, channels]`` in the model dtype (channels last: the
   window's shift and the taps' sum run over contiguous rows);
 * ``recurrent``: ``[gdn_layers, rows, v_heads, k_dim, v_dim]`` in fp32;
@@ -47,6 +49,7 @@ class SlotState:
         dtype: torch.dtype,
         device: torch.device,
         initial_capacity: int = 256,
+        keys_transposed: bool = False,
     ) -> None:
         self.shapes = shapes
         self.max_slots = max_slots
@@ -58,7 +61,11 @@ class SlotState:
         self.generation = 0
         self.capacity = min(initial_capacity, max_model_len)
         s = shapes
-        self.kv = torch.zeros((s.attention_layers, 2, self.rows, s.kv_heads, self.capacity, s.head_dim), dtype=dtype, device=device)
+        self.keys_transposed = keys_transposed
+        values = (s.attention_layers, self.rows, s.kv_heads, self.capacity, s.head_dim)
+        keys = (*values[:3], s.head_dim, self.capacity) if keys_transposed else values
+        self.keys = torch.zeros(keys, dtype=dtype, device=device)
+        self.values = torch.zeros(values, dtype=dtype, device=device)
         self.conv = torch.zeros((s.gdn_layers, self.rows, s.conv_kernel, s.conv_channels), dtype=dtype, device=device)
         self.recurrent = torch.zeros((s.gdn_layers, self.rows, s.v_heads, s.k_dim, s.v_dim), dtype=torch.float32, device=device)
         self.lengths = torch.zeros(self.rows, dtype=torch.long, device=device)
@@ -74,9 +81,8 @@ class SlotState:
         while capacity < needed:
             capacity *= 2
         capacity = min(capacity, self.max_model_len)
-        grown = self.kv.new_zeros((*self.kv.shape[:4], capacity, self.kv.shape[5]))
-        grown[:, :, :, :, : self.capacity] = self.kv
-        self.kv = grown
+        self.values = _grow(self.values, 3, self.capacity, capacity)
+        self.keys = _grow(self.keys, 4 if self.keys_transposed else 3, self.capacity, capacity)
         self.capacity = capacity
         self.generation += 1
 
@@ -98,7 +104,8 @@ class SlotState:
             return
         src = torch.tensor(sources, device=self.device)
         dst = torch.tensor(targets, device=self.device)
-        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.keys[:, dst] = self.keys[:, src]
+        self.values[:, dst] = self.values[:, src]
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]
         self.lengths[dst] = self.lengths[src]
@@ -113,3 +120,11 @@ class SlotState:
             self.lengths[rows.start : rows.stop] = 0
             for row in rows:
                 self.host_lengths[row] = 0
+
+
+def _grow(t: torch.Tensor, dim: int, old: int, new: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = new
+    grown = t.new_zeros(shape)
+    grown.narrow(dim, 0, old).copy_(t)
+    return grown

@@ -36,14 +36,17 @@ def tiny_model(tiny_dir):
     return load_model(tiny_dir, dtype="float32", device="cpu").model
 
 
-def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6, pad_to: int | None = None) -> list[torch.Tensor]:
-    """Prefill PROMPTS (in chunks of ``chunk`` tokens) and decode ``steps`` fixed tokens; every step's logits."""
+def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6, pad_to: int | None = None,
+         keys_transposed: bool | None = None) -> list[torch.Tensor]:
+    """Prefill PROMPTS (in chunks of ``chunk`` tokens) and decode ``steps`` fixed tokens; every step's logits.
+    Keys are stored as the runner stores them for that attention path unless ``keys_transposed`` says."""
     lean = LeanModel(model, max_model_len=512)
     lean.sdpa = sdpa
     n = len(PROMPTS)
     rows = max(n, pad_to or 0)
+    transposed = not sdpa if keys_transposed is None else keys_transposed
     state = SlotState(lean.state_shapes(), max_slots=rows, staging=0, max_model_len=512, dtype=torch.float32,
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), keys_transposed=transposed)
     out = []
     with torch.inference_mode():
         state.reset_rows(list(range(n)))
@@ -70,7 +73,9 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def test_sdpa_attention_branch_equals_the_matmul_branch(tiny_model) -> None:
-    assert _close(_run(tiny_model, sdpa=True, chunk=16), _run(tiny_model, sdpa=False, chunk=16)) <= 1e-5
+    reference = _run(tiny_model, sdpa=False, chunk=16)  # how the CPU runs: transposed keys, matmuls
+    for sdpa, transposed in ((True, False), (True, True), (False, False)):
+        assert _close(_run(tiny_model, sdpa=sdpa, chunk=16, keys_transposed=transposed), reference) <= 1e-5
 
 
 class _FlaStandIn:

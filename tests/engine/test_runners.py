@@ -177,7 +177,9 @@ def test_aborting_a_prompt_part_way_through_its_chunked_prefill(tiny_dir, teache
             lone.result(30)
         _wait(lambda: engine.stats()["running"] == 0)
         # a staged leader with a follower (same prompt): the follower takes over the prefill
-        requests = [GenerationRequest(prompt, SamplingParams(max_tokens=6, seed=s, ignore_eos=True)) for s in (1, 2)]
+        # (the follower samples differently: its own parameters must take over the staging row)
+        requests = [GenerationRequest(prompt, SamplingParams(max_tokens=6, seed=1, ignore_eos=True)),
+                    GenerationRequest(prompt, SamplingParams(max_tokens=6, seed=2, temperature=0.5, top_k=20, ignore_eos=True))]
         steps = engine.stats()["prefill_steps"]
         leader, follower = engine.submit_many(requests)
         _wait(lambda: engine.stats()["prefill_steps"] >= steps + 2)
