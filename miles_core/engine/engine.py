@@ -585,18 +585,20 @@ class Engine:
             self._next_tokens[:n] = tokens
         else:
             self._next_tokens[rows] = tokens
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
         self._counters["generated_tokens"] += n
         now = time.perf_counter()
         finished: list[tuple[_Sequence, Stop]] = []
-        for sequence, token, logprob in zip(sequences, host[0], host[1]):
-            sequence.tokens.append(int(token))
+        for sequence, token, logprob in zip(sequences, host[0].long().tolist(), host[1].tolist()):
+            generated = sequence.tokens
+            generated.append(token)
             sequence.logprobs.append(logprob)
-            if len(sequence.tokens) == 1:
+            if len(generated) == 1:
                 sequence.first_token = now
-            stop = sequence.stopper.check(sequence.tokens)
-            if stop is not None:
-                finished.append((sequence, stop))
+            if sequence.stopper.may_stop(token, len(generated)):
+                stop = sequence.stopper.check(generated)
+                if stop is not None:
+                    finished.append((sequence, stop))
         if not finished:
             return
         with self._cond:

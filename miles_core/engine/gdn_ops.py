@@ -119,7 +119,7 @@ def recurrent_decode(
     s.mul_(g.exp().view(n, hk, rep, 1, 1))
     memory = (s * k.reshape(n, hk, 1, dk, 1)).sum(-2)  # [n, hk, rep, dv]
     delta = (v.float().view(n, hk, rep, dv) - memory) * beta.float().view(n, hk, rep, 1)
-    s.add_(k.reshape(n, hk, 1, dk, 1) * delta[:, :, :, None, :])
+    s.addcmul_(k.reshape(n, hk, 1, dk, 1), delta[:, :, :, None, :])
     return (s * q.reshape(n, hk, 1, dk, 1)).sum(-2).view(n, hv, dv)
 
 

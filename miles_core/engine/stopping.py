@@ -36,6 +36,11 @@ class StopChecker:
         self._longest_stop = max((len(s) for s in params.stop), default=0)
         self._scanned = 0
 
+    def may_stop(self, token: int, length: int) -> bool:
+        """A cheap pre-test after ``token`` made the completion ``length`` long: ``False`` means
+        :meth:`check` would return ``None`` (the engine skips it for most sequences of most steps)."""
+        return token in self.stop_ids or length >= self.limit or bool(self.params.stop)
+
     def check(self, tokens: Sequence[int]) -> Stop | None:
         last = tokens[-1]
         if last in self.stop_ids:

@@ -16,8 +16,16 @@ def _run(params: SamplingParams, text: str, *, eos=(0,), room: int = 1000) -> tu
         tokens.append(ord(ch))
         stop = checker.check(tokens)
         if stop is not None:
+            assert checker.may_stop(tokens[-1], len(tokens))  # the engine's pre-test lets it through
             return stop, len(tokens)
     return None, len(tokens)
+
+
+def test_the_pre_test_only_skips_steps_that_cannot_stop() -> None:
+    plain = StopChecker(SamplingParams(max_tokens=3), eos_token_ids=(0,), room=1000, decode=lambda ids: "")
+    assert not plain.may_stop(5, 1) and plain.may_stop(0, 1) and plain.may_stop(5, 3)
+    strings = StopChecker(SamplingParams(stop=("x",)), eos_token_ids=(0,), room=1000, decode=lambda ids: "")
+    assert strings.may_stop(5, 1)  # stop strings need the decoded text every step
 
 
 def test_earliest_stop_string_wins_even_when_a_later_one_completes_first() -> None:
