@@ -67,6 +67,8 @@ class _Norm:
     eps: torch.Tensor  # 0-dim fp32 (tensor operands: a Python scalar costs a conversion per op)
     inv_dim: torch.Tensor
     eps_value: float
+    #: through ``F.rms_norm`` (CUDA: one fused kernel instead of six elementwise ones)
+    fused: bool = False
 
 
 def _norm(module: Any, zero_centred: bool) -> _Norm:
@@ -86,6 +88,14 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
     """HF's RMSNorm in fp32: ``x * rsqrt(mean(x^2) + eps)``, then ``* (1 + w)`` or ``w *``."""
     xf = _fp32(x)
+    if norm.fused:
+        d = (xf.shape[-1],)
+        if not norm.zero_centred:
+            return norm.weight * F.rms_norm(xf, d, eps=norm.eps_value).to(x.dtype)
+        scale = 1.0 + _fp32(norm.weight)
+        if scale.dim() == 1:
+            return F.rms_norm(xf, d, weight=scale, eps=norm.eps_value).to(x.dtype)
+        return (F.rms_norm(xf, d, eps=norm.eps_value) * scale).to(x.dtype)  # per-head weights (q/k norms)
     y = xf * torch.rsqrt(torch.addcmul(norm.eps, (xf * xf).sum(-1, keepdim=True), norm.inv_dim))
     if norm.zero_centred:
         y = torch.addcmul(y, y, _fp32(norm.weight))  # y * (1 + w)
@@ -167,7 +177,7 @@ class _Attention:
         """``q_norm`` for the query heads and ``k_norm`` for the key heads, as one per-head norm."""
         q, k = self.q_norm, self.k_norm
         weight = torch.cat([q.weight.expand(self.heads, -1), k.weight.expand(self.kv_heads, -1)])
-        return _Norm(weight, q.zero_centred, q.eps, q.inv_dim, q.eps_value)
+        return _Norm(weight, q.zero_centred, q.eps, q.inv_dim, q.eps_value, q.fused)
 
 
 @dataclass
@@ -271,6 +281,19 @@ class LeanModel:
         self.arange = torch.arange(max(max_model_len, 1), device=self.device)
         #: attention through SDPA (CUDA: fp32 softmax and accumulation) or batched matmuls (CPU)
         self.sdpa = self.device.type == "cuda"
+        self.fuse_norms(self.device.type == "cuda")
+
+    def norms(self) -> list[_Norm]:
+        out = [self.final_norm]
+        for layer in self.layers:
+            out += [layer.input_norm, layer.post_norm]
+            out += [layer.mixer.norm] if isinstance(layer.mixer, _GDN) else [layer.mixer.q_norm, layer.mixer.k_norm]
+        return out
+
+    def fuse_norms(self, fused: bool) -> None:
+        """RMSNorms through ``F.rms_norm`` (the CUDA default) or written out (CPU: cheaper per call)."""
+        for norm in self.norms():
+            norm.fused = fused
 
     def state_shapes(self) -> StateShapes:
         attn = [layer.mixer for layer in self.layers if isinstance(layer.mixer, _Attention)]

@@ -37,11 +37,12 @@ def tiny_model(tiny_dir):
 
 
 def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6, pad_to: int | None = None,
-         keys_transposed: bool | None = None) -> list[torch.Tensor]:
+         keys_transposed: bool | None = None, fused_norms: bool = False) -> list[torch.Tensor]:
     """Prefill PROMPTS (in chunks of ``chunk`` tokens) and decode ``steps`` fixed tokens; every step's logits.
     Keys are stored as the runner stores them for that attention path unless ``keys_transposed`` says."""
     lean = LeanModel(model, max_model_len=512)
     lean.sdpa = sdpa
+    lean.fuse_norms(fused_norms)
     n = len(PROMPTS)
     rows = max(n, pad_to or 0)
     transposed = not sdpa if keys_transposed is None else keys_transposed
@@ -72,10 +73,11 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x.log_softmax(-1) - y.log_softmax(-1)).abs().max()) for x, y in zip(a, b))
 
 
-def test_sdpa_attention_branch_equals_the_matmul_branch(tiny_model) -> None:
+def test_the_cuda_attention_and_norm_branches_equal_the_cpu_ones(tiny_model) -> None:
     reference = _run(tiny_model, sdpa=False, chunk=16)  # how the CPU runs: transposed keys, matmuls
     for sdpa, transposed in ((True, False), (True, True), (False, False)):
         assert _close(_run(tiny_model, sdpa=sdpa, chunk=16, keys_transposed=transposed), reference) <= 1e-5
+    assert _close(_run(tiny_model, sdpa=True, chunk=16, fused_norms=True), reference) <= 1e-5  # as on CUDA
 
 
 class _FlaStandIn:
