@@ -1,14 +1,15 @@
 """The engine's own forward (decode step and chunked prefill) for the architectures it knows.
 
-It reads the Hugging Face model's own parameter tensors at every call (nothing is copied or
-fused), so a weight update copied into the model is seen at once, and a CUDA graph captured over
-it keeps reading the same memory. The arithmetic is that of the Hugging Face modules; the engine's
-tests compare every generated log-prob with a teacher-forced forward of the Hugging Face model.
+It reads the Hugging Face model's own parameter tensors at every call (nothing is copied:
+projections that read the same input become row slices of one buffer, see :class:`_Fused`), so
+a weight update copied into the model is seen at once, and a CUDA graph captured over it keeps
+reading the same memory. The arithmetic is that of the Hugging Face modules; the engine's tests
+compare every generated log-prob with a teacher-forced forward of the Hugging Face model.
 
 Supported: ``Qwen3_5ForCausalLM`` (Gated DeltaNet + gated full attention, Qwen3.5 text models)
 and ``Qwen3ForCausalLM`` (dense attention), with SiLU MLPs and a position-independent RoPE.
 :func:`unsupported_reason` says why any other model takes the Hugging Face path
-(:mod:`miles_core.engine.hf_runner`).
+(:class:`~miles_core.engine.runner.HFRunner`).
 
 Shapes: a decode step runs rows ``[0, n)`` of :class:`~miles_core.engine.state.SlotState`, one token
 each. A prefill runs ``S`` segments (row, first position, tokens), packed ``[T, hidden]`` for the
@@ -57,6 +58,8 @@ def unsupported_reason(model: Any) -> str | None:
             return f"layer {index} has a {type(mixer).__name__} / {type(layer.mlp).__name__}"
         if getattr(mixer, "sliding_window", None):
             return f"layer {index} uses sliding-window attention"
+        if hasattr(layer, "linear_attn") and getattr(mixer, "activation", "silu") not in ("silu", "swish"):
+            return f"layer {index}'s Gated DeltaNet uses activation {mixer.activation!r}"
     return None
 
 
