@@ -20,9 +20,15 @@ from miles_core.engine.engine import Engine, EngineConfig
 from miles_core.engine.presets import preset_dir
 from miles_core.engine.selfcheck import logprob_tolerance
 
-register_cuda_ci(est_time=120, suite="stage-b-1-gpu-h200", labels=["gpu"])
+register_cuda_ci(est_time=240, suite="stage-b-1-gpu-h200", labels=["gpu"])
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory):
+    """One preset cache for the module: the small-gpu preset takes ~30 s to build."""
+    return tmp_path_factory.mktemp("miles-cache")
 
 
 def _requests(n: int, max_tokens: int) -> list[GenerationRequest]:
@@ -32,11 +38,11 @@ def _requests(n: int, max_tokens: int) -> list[GenerationRequest]:
     ]
 
 
-def test_tiny_fp32_on_gpu_matches_a_teacher_forced_forward(tmp_path) -> None:
+def test_tiny_fp32_on_gpu_matches_a_teacher_forced_forward(cache) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     requests = _requests(16, 24)
-    with Engine.from_pretrained(preset_dir("tiny", tmp_path), EngineConfig(device="cuda", dtype="float32", max_batch_size=16)) as engine:
+    with Engine.from_pretrained(preset_dir("tiny", cache), EngineConfig(device="cuda", dtype="float32", max_batch_size=16)) as engine:
         together = engine.generate(requests)
         alone = [engine.generate([r])[0] for r in requests[:4]]
         for request, completion in zip(requests, together):
@@ -48,8 +54,8 @@ def test_tiny_fp32_on_gpu_matches_a_teacher_forced_forward(tmp_path) -> None:
     assert [c.token_ids for c in alone] == [c.token_ids for c in together[:4]]
 
 
-def test_small_gpu_preset_serves_64_concurrent_requests(tmp_path) -> None:
-    with Engine.from_pretrained(preset_dir("small-gpu", tmp_path), EngineConfig(device="cuda", max_batch_size=64)) as engine:
+def test_small_gpu_preset_serves_64_concurrent_requests(cache) -> None:
+    with Engine.from_pretrained(preset_dir("small-gpu", cache), EngineConfig(device="cuda", max_batch_size=64)) as engine:
         assert engine.dtype == torch.bfloat16
         completions = engine.generate(_requests(64, 32))
         assert engine.stats()["decode_steps"] < 64 * 32 // 4
@@ -69,10 +75,10 @@ def _mixed(n: int, vocab: int = 256) -> list[GenerationRequest]:
 
 
 @pytest.mark.parametrize("preset, dtype", [("tiny", "float32"), ("small-gpu", "bfloat16")])
-def test_cuda_graphs_equal_the_eager_step_at_temperature_0(tmp_path, preset: str, dtype: str) -> None:
+def test_cuda_graphs_equal_the_eager_step_at_temperature_0(cache, preset: str, dtype: str) -> None:
     from miles_core.engine.loader import load_model
 
-    loaded = load_model(preset_dir(preset, tmp_path), dtype=dtype, device="cuda")
+    loaded = load_model(preset_dir(preset, cache), dtype=dtype, device="cuda")
     requests = _mixed(40)
     with Engine(loaded, EngineConfig(max_batch_size=48, cuda_graphs=False)) as eager:
         assert eager.runner_info()["cuda_graphs"] is False
@@ -91,12 +97,12 @@ def test_cuda_graphs_equal_the_eager_step_at_temperature_0(tmp_path, preset: str
     assert worst <= (1e-5 if dtype == "float32" else 5e-2)
 
 
-def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(tmp_path) -> None:
+def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(cache) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     requests = _requests(8, 24)
     for runner in ("lean", "hf"):
         config = EngineConfig(device="cuda", dtype="float32", max_batch_size=8, runner=runner)
-        with Engine.from_pretrained(preset_dir("tiny", tmp_path), config) as engine:
+        with Engine.from_pretrained(preset_dir("tiny", cache), config) as engine:
             assert engine.runner == runner
             completions = engine.generate(requests)
             for request, completion in zip(requests, completions):
