@@ -6,8 +6,9 @@ a weight update copied into the model is seen at once, and a CUDA graph captured
 reading the same memory. The arithmetic is that of the Hugging Face modules; the engine's tests
 compare every generated log-prob with a teacher-forced forward of the Hugging Face model.
 
-Supported: ``Qwen3_5ForCausalLM`` (Gated DeltaNet + gated full attention, Qwen3.5 text models)
-and ``Qwen3ForCausalLM`` (dense attention), with SiLU MLPs and a position-independent RoPE.
+Supported: ``Qwen3_5ForCausalLM`` (Gated DeltaNet + gated full attention, Qwen3.5 text models),
+``Qwen3ForCausalLM`` (dense attention with per-head q/k norms) and ``LlamaForCausalLM`` (dense
+attention), with SiLU MLPs and a position-independent RoPE.
 :func:`unsupported_reason` says why any other model takes the Hugging Face path
 (:class:`~miles_core.engine.runner.HFRunner`).
 
@@ -32,6 +33,7 @@ _ARCHITECTURES = {
     # class name -> (decoder layer class, attention class, GDN class, MLP class, zero-centred norms, gated attention)
     "Qwen3_5ForCausalLM": ("Qwen3_5DecoderLayer", "Qwen3_5Attention", "Qwen3_5GatedDeltaNet", "Qwen3_5MLP", True, True),
     "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen3Attention", None, "Qwen3MLP", False, False),
+    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", None, "LlamaMLP", False, False),
 }
 
 
@@ -167,8 +169,8 @@ class _Attention:
     index: int  # among attention layers
     qkv: _Fused
     o: Any
-    q_norm: _Norm
-    k_norm: _Norm
+    q_norm: _Norm | None  # per-head norms (Qwen3, Qwen3.5); Llama has none
+    k_norm: _Norm | None
     heads: int
     kv_heads: int
     head_dim: int
@@ -179,6 +181,7 @@ class _Attention:
     def qk_norm(self) -> _Norm:
         """``q_norm`` for the query heads and ``k_norm`` for the key heads, as one per-head norm."""
         q, k = self.q_norm, self.k_norm
+        assert q is not None and k is not None
         weight = torch.cat([q.weight.expand(self.heads, -1), k.weight.expand(self.kv_heads, -1)])
         return _Norm(weight, q.zero_centred, q.eps, q.inv_dim, q.eps_value, q.fused)
 
@@ -257,8 +260,10 @@ class LeanModel:
                 m = layer.self_attn
                 config = model.config
                 mixer = _Attention(
-                    attention, _Fused([m.q_proj, m.k_proj, m.v_proj]), m.o_proj, _norm(m.q_norm, zero_centred),
-                    _norm(m.k_norm, zero_centred), config.num_attention_heads, config.num_key_value_heads,
+                    attention, _Fused([m.q_proj, m.k_proj, m.v_proj]), m.o_proj,
+                    _norm(m.q_norm, zero_centred) if hasattr(m, "q_norm") else None,
+                    _norm(m.k_norm, zero_centred) if hasattr(m, "k_norm") else None,
+                    config.num_attention_heads, config.num_key_value_heads,
                     m.head_dim, float(m.scaling), gated, _const(m.scaling, self.device),
                 )
                 attention += 1
@@ -290,7 +295,10 @@ class LeanModel:
         out = [self.final_norm]
         for layer in self.layers:
             out += [layer.input_norm, layer.post_norm]
-            out += [layer.mixer.norm] if isinstance(layer.mixer, _GDN) else [layer.mixer.q_norm, layer.mixer.k_norm]
+            if isinstance(layer.mixer, _GDN):
+                out.append(layer.mixer.norm)
+            elif layer.mixer.q_norm is not None and layer.mixer.k_norm is not None:
+                out += [layer.mixer.q_norm, layer.mixer.k_norm]
         return out
 
     def fuse_norms(self, fused: bool) -> None:
@@ -318,7 +326,7 @@ class LeanModel:
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(x)
-        return F.linear(F.silu(gate) * up, layer.down.weight)
+        return F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
 
     def _qkv(self, m: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated queries ``[T, H, D]``, keys and values ``[T, kvH, D]``, and the output gate."""
@@ -329,7 +337,9 @@ class LeanModel:
             q, gate = q.reshape(t, m.heads, 2 * m.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, m.heads * m.head_dim)
         q, k = q.reshape(t, m.heads, m.head_dim), k.reshape(t, m.kv_heads, m.head_dim)
-        if m.q_norm.eps_value == m.k_norm.eps_value:  # per-head norms of all heads at once
+        if m.q_norm is None or m.k_norm is None:
+            qk = torch.cat([q, k], dim=1)
+        elif m.q_norm.eps_value == m.k_norm.eps_value:  # per-head norms of all heads at once
             qk = rms_norm(torch.cat([q, k], dim=1), m.qk_norm())
         else:
             qk = torch.cat([rms_norm(q, m.q_norm), rms_norm(k, m.k_norm)], dim=1)

@@ -45,6 +45,12 @@ def teacher_forced(reference_model):
     return lambda prompt, tokens, params: teacher_forced_logprobs(reference_model, prompt, tokens, params)
 
 
+@pytest.fixture
+def teacher_forced_on():
+    """``teacher_forced_on(model, prompt, tokens, params)``: :func:`teacher_forced_logprobs` for any model."""
+    return teacher_forced_logprobs
+
+
 def teacher_forced_logprobs(model, prompt: Sequence[int], tokens: Sequence[int], params: SamplingParams) -> list[float]:
     """Log-probs of ``tokens`` after ``prompt`` from ONE forward over the whole sequence.
 

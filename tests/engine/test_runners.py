@@ -199,3 +199,30 @@ def test_engine_config_rejects_unknown_runners_and_bad_chunk_sizes() -> None:
         EngineConfig(prefill_chunk_tokens=0)
     with pytest.raises(ConfigError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_only_architectures_run_lean_and_match_a_teacher_forced_forward(tmp_path, arch, teacher_forced_on) -> None:
+    """Llama (no q/k norms) and Qwen3 (per-head q/k norms) take the lean runner, and every sampled
+    log-prob equals one forward of the Hugging Face model over prompt + completion."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from miles_core.assets.tiny_tokenizer import build_tokenizer
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, head_dim=16)
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen3ForCausalLM(Qwen3Config(**common)))
+    model.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tmp_path)  # the engine loads it
+    requests = [GenerationRequest(_prompt(n, i), SamplingParams(max_tokens=9, seed=i, temperature=0.9 if i % 2 else 0.0,
+                                                                  ignore_eos=True))
+                for i, n in enumerate([5, 17, 1, 40])]
+    with Engine.from_pretrained(tmp_path, EngineConfig(max_batch_size=4)) as engine:
+        assert engine.runner == "lean", engine.runner_info()
+        completions = engine.generate(requests)
+    reference = model.eval()
+    worst = max(max(abs(a - b) for a, b in zip(teacher_forced_on(reference, r.input_ids, c.token_ids, r.sampling),
+                                               c.logprobs)) for r, c in zip(requests, completions))
+    assert worst <= TOLERANCE
