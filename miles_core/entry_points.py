@@ -1,11 +1,14 @@
 """Entry-point discovery with a validated on-disk cache.
 
 ``importlib.metadata`` costs tens of milliseconds to import (email, zipfile, csv, ...), which is
-most of what ``miles plugins list`` would spend before doing any work. The answer only changes when
-a distribution is installed, removed or upgraded, and each of those adds or removes a ``.dist-info``
-directory, which changes the modification time of the directory holding it. So the scan result is
-cached per interpreter and group, stamped with the ``mtime_ns`` of every ``sys.path`` directory,
-and rescanned through ``importlib.metadata`` whenever any stamp differs.
+most of what ``miles plugins list`` would spend before doing any work. The answer changes when a
+distribution is installed, removed or upgraded -- each adds or removes a ``.dist-info`` directory,
+which changes the modification time of the directory holding it -- or when a distribution's
+``entry_points.txt`` is edited in place (an editable install re-run, a hand edit), which changes
+nothing but that file. So the scan result is cached per interpreter and group, stamped with the
+``mtime_ns`` of every ``sys.path`` directory and the ``(mtime_ns, size, inode)`` of every
+``entry_points.txt`` of the ``.dist-info`` / ``.egg-info`` directories in them, and rescanned
+through ``importlib.metadata`` whenever any stamp differs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from miles_core.fileio import write_bytes_atomic
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 ENV_NO_CACHE = "MILES_NO_ENTRY_POINT_CACHE"
 
 
@@ -30,14 +33,31 @@ class EntryPointInfo:
     version: str | None
 
 
-def _path_stamp() -> list[tuple[str, int]]:
-    stamp = []
+def _path_stamp() -> list[list[object]]:
+    """``[path, mtime_ns, [[metadata dir, mtime_ns, size, inode] ...]]`` per ``sys.path`` entry
+    (``-1`` where there is nothing to stat), the metadata dirs being those holding an
+    ``entry_points.txt``."""
+    stamp: list[list[object]] = []
     for entry in sys.path:
         path = entry or os.getcwd()
         try:
-            stamp.append((path, os.stat(path).st_mtime_ns))
+            mtime = os.stat(path).st_mtime_ns
         except OSError:
-            stamp.append((path, -1))
+            stamp.append([path, -1, []])
+            continue
+        files: list[list[object]] = []
+        try:
+            with os.scandir(path) as it:
+                names = sorted(e.name for e in it if e.name.endswith((".dist-info", ".egg-info")))
+        except OSError:  # a zip file or an unreadable directory: its mtime is all there is
+            names = []
+        for name in names:
+            try:
+                st = os.stat(os.path.join(path, name, "entry_points.txt"))
+            except OSError:
+                continue
+            files.append([name, st.st_mtime_ns, st.st_size, st.st_ino])
+        stamp.append([path, mtime, files])
     return stamp
 
 
@@ -66,7 +86,7 @@ def entry_points(group: str) -> list[EntryPointInfo]:
     """Every entry point of ``group`` visible on ``sys.path``."""
     if os.environ.get(ENV_NO_CACHE):
         return _scan(group)
-    stamp = [list(s) for s in _path_stamp()]
+    stamp = _path_stamp()
     cache = _cache_file(group)
     try:
         with open(cache, encoding="utf-8") as f:

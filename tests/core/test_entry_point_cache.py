@@ -72,3 +72,41 @@ def test_cache_can_be_disabled(cache_dir, scans, monkeypatch) -> None:
     entry_points(GROUP)
     assert scans == [GROUP, GROUP]
     assert not cache_dir.exists()
+
+
+def _distribution(site_dir, entry_points: str):
+    dist_info = site_dir / "miles_cache_probe-1.0.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-cache-probe\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(entry_points)
+    return dist_info
+
+
+def test_an_in_place_edit_of_entry_points_txt_invalidates(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    group = "miles.cache-probe"
+    site_dir = tmp_path / "site"
+    dist_info = _distribution(site_dir, f"[{group}]\nfirst = probe.first\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site_dir)])
+    assert [e.name for e in entry_points(group)] == ["first"]
+    dirs = {p: os.stat(p).st_mtime_ns for p in (site_dir, dist_info)}
+    # what editing the file in place does: no directory changes, only the file's mtime and size
+    (dist_info / "entry_points.txt").write_text(f"[{group}]\nfirst = probe.first\nsecond = probe.second\n")
+    for path, mtime in dirs.items():
+        os.utime(path, ns=(mtime, mtime))
+    assert [e.name for e in entry_points(group)] == ["first", "second"]
+    assert entry_points(group)[1].value == "probe.second"
+    assert scans == [group, group]  # rescanned once for the edit, then served from the cache again
+
+
+def test_a_distribution_gaining_entry_points_txt_invalidates(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    group = "miles.cache-probe"
+    site_dir = tmp_path / "site"
+    dist_info = _distribution(site_dir, "")
+    (dist_info / "entry_points.txt").unlink()
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site_dir)])
+    assert entry_points(group) == []
+    mtimes = {p: os.stat(p).st_mtime_ns for p in (site_dir, dist_info)}
+    (dist_info / "entry_points.txt").write_text(f"[{group}]\nlate = probe.late\n")
+    for path, mtime in mtimes.items():
+        os.utime(path, ns=(mtime, mtime))
+    assert [e.name for e in entry_points(group)] == ["late"]
