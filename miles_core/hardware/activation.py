@@ -89,15 +89,24 @@ class ActiveHardware:
                 return report
         raise KeyError(f"hardware backend {self.name!r} has applied no fix named {name!r}")
 
-    def to_dict(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
+        """Which backend ran, whose it is, how it was chosen and which built-ins it replaced
+        (what a run's ``summary.json`` records)."""
         plugin = self.selection.contribution.plugin
         return {
             "backend": self.name,
             "plugin": plugin.name,
             "distribution": plugin.distribution,
             "version": plugin.version,
+            "builtin": plugin.builtin,
             "selected_by": self.selection.selected_by,
             "reason": self.selection.reason,
+            "replaces": [c.contribution.name for c in self.selection.replaced],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.summary(),
             "device_type": self.backend.device_type,
             "device_count": self.backend.device_count(),
             "distributed_backend": self.distributed_backend,

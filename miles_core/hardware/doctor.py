@@ -1,11 +1,12 @@
-"""``miles doctor``'s hardware check: the selected backend, why, its fixes and worker env."""
+"""``miles doctor``'s hardware check: the selected backend, why (and which built-in it replaced),
+its fixes and worker env."""
 
 from __future__ import annotations
 
 from miles_core.doctor import CheckResult
 from miles_core.errors import MilesError
 from miles_core.hardware.activation import activate
-from miles_core.hardware.base import LIBRARIES
+from miles_core.hardware.base import ENV_OVERRIDE, LIBRARIES
 from miles_core.plugins import ENV_DENY, MilesPluginManager
 
 CONCERN = "hardware"
@@ -37,6 +38,17 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
             data=hardware.to_dict(),
         )
     ]
+    if selection.replaced:
+        owner = selection.contribution.plugin
+        builtins = ", ".join(repr(c.contribution.name) for c in selection.replaced)
+        detail = (
+            f"{hardware.name!r} of plugin {owner.label} replaces the built-in {builtins}, which also "
+            f"claims this machine (a plugin's backend beats a built-in). "
+            f"{ENV_OVERRIDE}={selection.replaced[0].contribution.name} selects the built-in; "
+            f"{ENV_DENY}={pm.selector(owner)} removes the plugin"
+        )
+        results.append(CheckResult(CONCERN, "replaces built-in", "warn", detail, required=False, plugin=plugin,
+                                   data={"replaced": [c.contribution.name for c in selection.replaced]}))
     results += unprepared
     for fix in hardware.all_fixes():
         results.append(

@@ -47,6 +47,13 @@ class Selection:
     def backend(self) -> HardwareBackend:
         return self.contribution.obj
 
+    @property
+    def replaced(self) -> tuple[Candidate, ...]:
+        """The built-in backends that claim this machine too but lost, by detection, to a plugin's."""
+        if self.selected_by != "detection" or self.contribution.plugin.builtin:
+            return ()
+        return tuple(c for c in self.candidates if c.detection.claimed and c.contribution.plugin.builtin)
+
 
 def select_backend(pm: MilesPluginManager, environ: Mapping[str, str] | None = None) -> Selection:
     """Select the backend for this process (does not apply or verify it)."""

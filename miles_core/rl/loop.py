@@ -28,6 +28,7 @@ from pathlib import Path
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_json_atomic
+from miles_core.hardware.activation import activate
 from miles_core.plugins import MilesPluginManager
 from miles_core.rl import registry
 from miles_core.rl.algorithms.base import Algorithm
@@ -95,6 +96,7 @@ class RunResult:
     seconds: float
     records: list[Record]
     report: dict[str, object]
+    hardware: dict[str, object]  # the backend that ran (ActiveHardware.summary)
 
     def summary(self) -> dict[str, object]:
         last = self.records[-1] if self.records else {}
@@ -111,6 +113,7 @@ class RunResult:
             "summary": str(self.out_dir / "summary.json"),
             "plot": str(self.out_dir / "plot.png") if (self.out_dir / "plot.png").exists() else None,
             "report": self.report,
+            "hardware": self.hardware,
         }
 
 
@@ -292,6 +295,7 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
         seconds=time.perf_counter() - started,
         records=records,
         report=dict(runtime.trainer.report),
+        hardware=activate().summary(),
     )
     write_json_atomic(Path(run_cfg.out_dir) / "summary.json", result.summary())
     return result

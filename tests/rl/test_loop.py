@@ -39,6 +39,8 @@ def test_direct_run_records_checkpoints_and_plots(miles_pm_factory, direct_overr
     assert json.loads((last / "state.json").read_text())["cursor"] == {"epoch": 0, "offset": 12}
     assert (tmp_path / "run" / "plot.png").stat().st_size > 10_000
     assert result.summary()["final_accuracy"] is not None
+    hardware = json.loads((tmp_path / "run" / "summary.json").read_text())["hardware"]  # the backend that ran
+    assert (hardware["plugin"], hardware["builtin"], hardware["replaces"]) == ("core-hardware", True, [])
 
 
 def test_resume_continues_exactly(miles_pm_factory, direct_overrides, tmp_path):
