@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from miles_core.plugins import MilesPluginManager, import_object
 
-Status = Literal["ok", "fail", "skip", "info"]
+#: ``warn``: worth the user's attention, never fails the doctor (a slow plugin, a replaced built-in)
+Status = Literal["ok", "fail", "skip", "info", "warn"]
 
 #: (concern, "module:function"), run in this order
 CONCERN_CHECKS: tuple[tuple[str, str], ...] = (
@@ -64,13 +65,19 @@ class DoctorReport:
 
 
 def check_plugins(pm: MilesPluginManager) -> list[CheckResult]:
-    """Every installed plugin loads and registers; broken ones fail the doctor."""
+    """Every installed plugin loads and registers; broken ones fail the doctor, slow ones (load
+    time over the threshold, or a heavy import at discovery) are flagged with the measured time."""
     pm.collect_all()
     results = []
     for record in pm.plugins():
         status: Status = {"ok": "ok", "broken": "fail", "blocked": "skip"}[record.status]
         detail = record.reason or f"{record.distribution} {record.version}"
-        results.append(CheckResult("plugins", record.name, status, detail, plugin=record.name))
+        item = pm.selector(record)
+        results.append(CheckResult("plugins", item, status, detail, plugin=record.name))
+        if record.slow and record.status != "blocked":
+            load = record.to_dict()["load"]
+            results.append(CheckResult("plugins", f"{item} load time", "warn", record.slow, required=False,
+                                       plugin=record.name, data={k: load[k] for k in ("import_ms", "hook_ms", "heavy_imports")}))
     for warning in pm.warnings:
         results.append(CheckResult("plugins", "filters", "info", warning, required=False))
     return results

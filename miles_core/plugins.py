@@ -1,27 +1,35 @@
 """Plugin discovery, filtering, error policy, per-concern contributions and the fingerprint.
 
-Plugins are modules named by entry points in the group ``miles.plugins`` (built-ins included).
-Environment:
+Plugins are modules named by entry points in the group ``miles.plugins`` (built-ins included). A
+plugin's identity is its (distribution, entry-point name) pair, written ``DIST:NAME``
+(:attr:`PluginRecord.key`): two distributions may not share an entry-point name, and neither of
+two that do is loaded (see :meth:`MilesPluginManager.discover`). Environment:
 
 * ``MILES_PLUGINS=a,b`` -- allow list. Only these third-party plugins are loaded; the core's own
-  built-ins (distribution ``miles``) are always allowed. Names are plugin (entry-point) names or
-  distribution names.
+  built-ins (distribution ``miles``) are always allowed.
 * ``MILES_DISABLE_PLUGINS=a,b`` -- deny list; applies to every plugin, built-ins included, and
   wins over the allow list. A denied plugin is never imported.
+* In both lists an item is an entry-point name (every plugin of that name), a distribution name
+  (every plugin of that distribution; ``-``, ``_`` and ``.`` are alike, case is ignored) or
+  ``DIST:NAME`` (exactly one plugin). Both lists apply before name conflicts are judged.
 * ``MILES_PLUGIN_ERRORS=raise`` -- strict: the first import, hook or verification error raises
-  instead of being recorded (default ``record``).
+  instead of being recorded (default ``record``). Listing (:func:`listing_plugin_manager`)
+  records anyway and reports what strict mode would have decided.
 
 A plugin's status is ``ok``, ``blocked`` (filtered by the lists above; the reason names the
-variable) or ``broken`` (import, registration, hook or verification error; the reason carries the
-error text). Broken plugins never crash commands that do not need them: listing always works.
-Activating a concern (:meth:`MilesPluginManager.active_contributions`) fails closed when a plugin
-that is -- or may be -- contributing to it is broken.
+variable) or ``broken`` (import, registration, hook, verification error or a name conflict; the
+reason carries the error text). Broken plugins never crash commands that do not need them:
+listing always works. Activating a concern (:meth:`MilesPluginManager.active_contributions`)
+fails closed when a plugin that is -- or may be -- contributing to it is broken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -41,7 +49,15 @@ if TYPE_CHECKING:
 ENV_ALLOW = "MILES_PLUGINS"
 ENV_DENY = "MILES_DISABLE_PLUGINS"
 ENV_ERRORS = "MILES_PLUGIN_ERRORS"
+ENV_SLOW_MS = "MILES_PLUGIN_SLOW_MS"
 CORE_DISTRIBUTION = "miles"
+
+#: a plugin whose import plus hook calls take longer than this is flagged as slow (every ``miles``
+#: command pays for it); ``MILES_PLUGIN_SLOW_MS`` overrides it
+DEFAULT_SLOW_MS = 200.0
+#: modules discovery must not import (ARCHITECTURE: "discovery is cheap"); a plugin that brings
+#: one in while being imported, hooked or cheaply verified is flagged naming it
+HEAVY_MODULES = ("torch", "transformers", "ray", "megatron", "e2b", "tensorflow", "jax", "vllm", "sglang", "deepspeed")
 
 #: concern name -> the hook that contributes objects to it
 CONCERN_HOOKS: dict[str, str] = {
@@ -92,7 +108,18 @@ class PluginRecord:
     contributes: dict[str, list[str]] = field(default_factory=dict)
     #: concern -> "name (by plugin)" for contributions another plugin's higher-priority one replaced
     shadowed: dict[str, list[str]] = field(default_factory=dict)
+    #: concern -> contribution name -> "verified" / "failed": its verification in this process
+    verification: dict[str, dict[str, str]] = field(default_factory=dict)
     import_ms: float | None = None
+    hook_ms: float = 0.0
+    #: heavy module -> where this plugin first imported it ("import", "hook miles_tasks", ...)
+    heavy_imports: dict[str, str] = field(default_factory=dict)
+    slow_ms: float = DEFAULT_SLOW_MS
+
+    @property
+    def key(self) -> str:
+        """``DIST:NAME``, the plugin's identity (just the name for a plugin without a distribution)."""
+        return f"{self.distribution}:{self.name}" if self.distribution else self.name
 
     @property
     def status(self) -> Literal["ok", "broken", "blocked"]:
@@ -113,16 +140,46 @@ class PluginRecord:
         """``name (distribution version)``, used in every error message."""
         return f"{self.name!r} ({self.distribution or 'unknown distribution'} {self.version or '?'})"
 
+    @property
+    def load_ms(self) -> float:
+        """What loading this plugin costs every command: its import plus its hook calls."""
+        return (self.import_ms or 0.0) + self.hook_ms
+
+    @property
+    def slow(self) -> str | None:
+        """Why discovering this plugin is slow (measured time and heavy imports), or None."""
+        heavy = [f"{m} (at {where})" for m, where in self.heavy_imports.items()]
+        if not heavy and self.load_ms <= self.slow_ms:
+            return None
+        text = f"slow to load: {self.load_ms:.0f} ms (import {self.import_ms or 0:.0f} ms, hooks {self.hook_ms:.0f} ms"
+        text += f"; threshold {self.slow_ms:.0f} ms)"
+        if heavy:
+            text += f"; imports {', '.join(heavy)}, which discovery must not (import it where it is used)"
+        return text
+
+    def verified(self, outcome: str | None = "verified") -> dict[str, list[str]]:
+        """Concern -> this plugin's contributions whose verification had ``outcome`` here
+        (``"verified"``, ``"failed"``, or ``None``: not run in this process)."""
+        out: dict[str, list[str]] = {}
+        for concern, names in sorted(self.contributes.items()):
+            if concern in CONCERN_HOOKS:  # commands have no verify()
+                chosen = [n for n in names if self.verification.get(concern, {}).get(n) == outcome]
+                if chosen:
+                    out[concern] = chosen
+        return out
+
     def broken_for(self, concern: str) -> list[Problem]:
         """Problems that make this plugin unusable for ``concern``.
 
-        Import and registration failures count for every concern: what the plugin would have
-        contributed is unknown, so activation fails closed.
+        Import and registration failures, and a plugin-name conflict (a problem of no concern),
+        count for every concern: what the plugin would have contributed is unknown, so activation
+        fails closed.
         """
         return [p for p in self.problems if p.stage in ("import", "register") or p.concern in (concern, None)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "key": self.key,
             "name": self.name,
             "distribution": self.distribution,
             "version": self.version,
@@ -133,6 +190,15 @@ class PluginRecord:
             "hooks": sorted(self.hooks),
             "contributes": {k: v for k, v in sorted(self.contributes.items()) if v},
             "shadowed": {k: v for k, v in sorted(self.shadowed.items()) if v},
+            "verified": self.verified(),
+            "not_verified": self.verified(None),
+            "load": {
+                "import_ms": None if self.import_ms is None else round(self.import_ms, 2),
+                "hook_ms": round(self.hook_ms, 2),
+                "heavy_imports": dict(self.heavy_imports),
+                "slow_ms": self.slow_ms,
+                "slow": self.slow,
+            },
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -164,6 +230,21 @@ def _parse_list(value: str | None) -> frozenset[str] | None:
     return frozenset(part.strip() for part in value.split(",") if part.strip())
 
 
+def normalize_distribution(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503): ``Miles_QWEN.35`` -> ``miles-qwen-35``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def selects(item: str, record: PluginRecord) -> bool:
+    """Whether an allow/deny-list ``item`` names ``record``: ``DIST:NAME`` names exactly that
+    plugin; a bare item names every plugin whose entry-point name or distribution it is."""
+    distribution = normalize_distribution(record.distribution) if record.distribution else None
+    if ":" in item:
+        dist, _, name = item.partition(":")
+        return name == record.name and distribution == normalize_distribution(dist)
+    return item == record.name or normalize_distribution(item) == distribution
+
+
 class MilesPluginManager:
     """Loads plugins and hands out their contributions, attributed and error-isolated."""
 
@@ -173,16 +254,21 @@ class MilesPluginManager:
         allow: Iterable[str] | None = None,
         deny: Iterable[str] | None = None,
         errors: Literal["record", "raise"] = "record",
+        slow_ms: float = DEFAULT_SLOW_MS,
     ) -> None:
         if errors not in ("record", "raise"):
             raise ConfigError(f"{ENV_ERRORS} must be 'record' or 'raise', got {errors!r}")
         self.allow = frozenset(allow) if allow is not None else None
         self.deny = frozenset(deny or ())
+        #: the configured policy; :meth:`recording` suspends ``raise`` (listing is diagnostic)
         self.errors = errors
+        self.slow_ms = slow_ms
+        self._recording = 0
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
-        self._records: dict[str, PluginRecord] = {}
+        self._records: dict[str, PluginRecord] = {}  # by PluginRecord.key
         self._contributions: dict[str, list[Contribution]] = {}
+        self._checked: set[tuple[str, str]] = set()  # (concern, name) run by verify_cheap
         self._applied_patches: dict[str, list[str]] = {}
         self._commands_added = False
         self._lock = threading.RLock()
@@ -194,60 +280,126 @@ class MilesPluginManager:
         errors = env.get(ENV_ERRORS, "record").strip().lower() or "record"
         if errors not in ("record", "raise"):
             raise ConfigError(f"{ENV_ERRORS} must be 'record' or 'raise', got {errors!r}")
+        slow = env.get(ENV_SLOW_MS, "").strip()
+        try:
+            slow_ms = float(slow) if slow else DEFAULT_SLOW_MS
+        except ValueError:
+            slow_ms = -1.0
+        if not slow_ms >= 0:  # also rejects nan
+            raise ConfigError(f"{ENV_SLOW_MS} must be a number of milliseconds >= 0, got {slow!r}")
         return cls(
             allow=_parse_list(env.get(ENV_ALLOW)),
             deny=_parse_list(env.get(ENV_DENY)),
             errors=errors,  # type: ignore[arg-type]
+            slow_ms=slow_ms,
         )
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record every problem inside this block even under ``MILES_PLUGIN_ERRORS=raise``
+        (what listing does; :meth:`strict_verdict` says what strict mode decides)."""
+        with self._lock:
+            self._recording += 1
+            try:
+                yield
+            finally:
+                self._recording -= 1
+
+    def strict_verdict(self) -> dict[str, Any]:
+        """What ``MILES_PLUGIN_ERRORS=raise`` decides about the plugins as recorded: strict mode
+        fails every command that loads plugins as soon as one of them is broken."""
+        broken = [r.key for r in self._records.values() if r.status == "broken"]
+        return {"policy": self.errors, "passes": not broken, "broken": broken}
 
     # -- discovery and registration ---------------------------------------------------------
 
-    def _blocked_reason(self, name: str, distribution: str | None, builtin: bool) -> str | None:
-        names = {name} | ({distribution} if distribution else set())
-        if names & self.deny:
+    def _blocked_reason(self, record: PluginRecord) -> str | None:
+        if any(selects(item, record) for item in self.deny):
             return f"disabled by {ENV_DENY}"
-        if self.allow is not None and not builtin and not names & self.allow:
+        if self.allow is not None and not record.builtin and not any(selects(item, record) for item in self.allow):
             return f"not in {ENV_ALLOW}"
         return None
 
+    def _new_record(self, name: str, module_path: str, distribution: str | None, version: str | None,
+                    builtin: bool) -> PluginRecord:
+        record = PluginRecord(name, module_path, distribution, version, builtin, slow_ms=self.slow_ms)
+        record.blocked_reason = self._blocked_reason(record)
+        return record
+
     def discover(self, group: str = hookspecs.ENTRY_POINT_GROUP) -> None:
-        """Find, filter, import and register every entry-point plugin of ``group``."""
+        """Find, filter, judge name conflicts, then import and register every entry-point plugin.
+
+        The allow/deny lists apply first (a filtered plugin takes no part in conflicts). Then an
+        entry-point name declared by more than one distribution among those left is a conflict:
+        a built-in's name stays the built-in's (the other is broken), otherwise every plugin of
+        that name is broken, none is imported, and each error names all the distributions and
+        the ``DIST:NAME`` that picks one. Only then are the remaining plugins imported.
+        """
         eps = sorted(
             entry_points(group),
-            key=lambda ep: (ep.distribution != CORE_DISTRIBUTION, ep.name),
+            key=lambda ep: (ep.distribution != CORE_DISTRIBUTION, ep.name, normalize_distribution(ep.distribution or "")),
         )
-        for ep in eps:
-            dist_name = ep.distribution
-            record = PluginRecord(
-                name=ep.name,
-                module_path=ep.value,
-                distribution=dist_name,
-                version=ep.version,
-                builtin=dist_name == CORE_DISTRIBUTION,
-            )
-            if ep.name in self._records:
-                other = self._records[ep.name]
-                record.problems.append(
-                    Problem("conflict", f"plugin name {ep.name!r} is also used by {other.label}")
-                )
-                self._records[f"{ep.name}@{dist_name}"] = record
-                self._fail(record)
+        with self._lock:
+            found: list[PluginRecord] = []
+            for ep in eps:
+                record = self._new_record(ep.name, ep.value, ep.distribution, ep.version,
+                                          ep.distribution == CORE_DISTRIBUTION)
+                if record.key in self._records or any(r.key == record.key for r in found):
+                    self.warnings.append(f"plugin {record.key} is declared twice; the first one found is used")
+                    continue
+                found.append(record)
+            self._judge_name_conflicts(found)
+            for record in found:
+                self._records[record.key] = record
+            self._contributions.clear()
+            for record in found:
+                if record.problems:
+                    self._fail(record)
+                elif record.blocked_reason is None:
+                    self._import(record)
+            self._warn_unknown_filters()
+
+    def _judge_name_conflicts(self, found: list[PluginRecord]) -> None:
+        live = [r for r in [*self._records.values(), *found] if r.blocked_reason is None]
+        for name in dict.fromkeys(r.name for r in found):
+            claimants = [r for r in live if r.name == name]
+            if len(claimants) < 2:
                 continue
-            self._records[ep.name] = record
-            record.blocked_reason = self._blocked_reason(ep.name, dist_name, record.builtin)
-            if record.blocked_reason is not None:
-                continue
-            started = time.perf_counter()
-            try:
-                module = import_object(ep.value)
-            except Exception as exc:  # a broken plugin must not take the CLI down
-                record.problems.append(Problem("import", _describe(exc), detail=_traceback()))
-                self._fail(record)
-                continue
-            finally:
-                record.import_ms = (time.perf_counter() - started) * 1000
-            self._register_module(record, module)
-        self._warn_unknown_filters()
+            owner = next((r for r in claimants if r.builtin), None)
+            for record in claimants:
+                if record is owner or record not in found:
+                    continue
+                if owner is not None:
+                    message = (
+                        f"plugin name {name!r} is taken by miles' built-in plugin ({owner.distribution} "
+                        f"{owner.version}); this one ({record.module_path}) is not loaded. Rename its entry "
+                        f"point, or disable it with {ENV_DENY}={record.key}"
+                    )
+                else:
+                    others = [r for r in claimants if r is not record]
+                    declared = "; ".join(
+                        f"{r.distribution or 'unknown distribution'} {r.version or '?'} ({r.module_path})"
+                        for r in others
+                    )
+                    message = (
+                        f"plugin name {name!r} is also declared by {declared}; none of them is loaded. To "
+                        f"load this one ({record.module_path}), disable the other"
+                        f"{'s' if len(others) > 1 else ''}: {ENV_DENY}={','.join(r.key for r in others)}"
+                    )
+                record.problems.append(Problem("conflict", message))
+
+    def _import(self, record: PluginRecord) -> None:
+        started, heavy = time.perf_counter(), _heavy_loaded()
+        try:
+            module = import_object(record.module_path)
+        except Exception as exc:  # a broken plugin must not take the CLI down
+            record.problems.append(Problem("import", _describe(exc), detail=_traceback()))
+            self._fail(record)
+            return
+        finally:
+            record.import_ms = (time.perf_counter() - started) * 1000
+            _note_heavy(record, heavy, "import")
+        self._register_module(record, module)
 
     def register(
         self,
@@ -258,19 +410,20 @@ class MilesPluginManager:
         version: str | None = None,
         builtin: bool = False,
     ) -> PluginRecord:
-        """Register an already-imported plugin object (used by tests and embedding code)."""
+        """Register an already-imported plugin object (used by tests and embedding code).
+
+        Raises ``ValueError`` if a plugin of this key, or a loaded plugin of this name, exists.
+        """
         with self._lock:
-            if name in self._records:
-                raise ValueError(f"a plugin named {name!r} is already registered")
-            record = PluginRecord(
-                name=name,
-                module_path=getattr(plugin, "__name__", type(plugin).__name__),
-                distribution=distribution,
-                version=version,
-                builtin=builtin,
-            )
-            self._records[name] = record
-            record.blocked_reason = self._blocked_reason(name, distribution, builtin)
+            module_path = getattr(plugin, "__name__", type(plugin).__name__)
+            record = self._new_record(name, module_path, distribution, version, builtin)
+            if record.key in self._records:
+                raise ValueError(f"a plugin {record.key!r} is already registered")
+            if record.blocked_reason is None:
+                for other in self._records.values():
+                    if other.name == name and other.blocked_reason is None:
+                        raise ValueError(f"a plugin named {name!r} is already registered: {other.label}")
+            self._records[record.key] = record
             if record.blocked_reason is None:
                 self._register_module(record, plugin)
             self._contributions.clear()
@@ -283,7 +436,7 @@ class MilesPluginManager:
         except TypeError:  # pluggy keeps plugins in sets (subset_hook_caller): register a hashable view
             module = _hashable_view(module, record.name)
         try:
-            self._pm.register(module, name=record.name)  # pluggy checks signatures against the specs
+            self._pm.register(module, name=record.key)  # pluggy checks signatures against the specs
         except Exception as exc:
             record.problems.append(Problem("register", _describe(exc), detail=_traceback()))
             self._fail(record)
@@ -306,15 +459,13 @@ class MilesPluginManager:
             self._fail(record)
 
     def _warn_unknown_filters(self) -> None:
-        known = {r.name for r in self._records.values()} | {
-            r.distribution for r in self._records.values() if r.distribution
-        }
-        for var, names in ((ENV_ALLOW, self.allow or frozenset()), (ENV_DENY, self.deny)):
-            for unknown in sorted(names - known):
+        records = list(self._records.values())
+        for var, items in ((ENV_ALLOW, self.allow or frozenset()), (ENV_DENY, self.deny)):
+            for unknown in sorted(i for i in items if not any(selects(i, r) for r in records)):
                 self.warnings.append(f"{var} names {unknown!r}, which is not an installed plugin")
 
     def _fail(self, record: PluginRecord) -> None:
-        if self.errors == "raise":
+        if self.errors == "raise" and not self._recording:
             raise PluginLoadError(f"plugin {record.label} is broken: {record.reason}")
 
     # -- queries ----------------------------------------------------------------------------
@@ -323,13 +474,24 @@ class MilesPluginManager:
         return list(self._records.values())
 
     def get(self, name: str) -> PluginRecord:
-        try:
+        """The plugin ``name`` names: its key (``DIST:NAME``), or an entry-point or distribution
+        name that names exactly one plugin. ``KeyError`` if none; :class:`ConfigError` listing
+        the keys if several."""
+        if name in self._records:
             return self._records[name]
-        except KeyError:
-            for record in self._records.values():
-                if record.distribution == name:
-                    return record
-            raise KeyError(name) from None
+        matches = [r for r in self._records.values() if selects(name, r)]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise KeyError(name)
+        keys = ", ".join(r.key for r in matches)
+        raise ConfigError(f"{name!r} names {len(matches)} plugins ({keys}); name one as DIST:NAME")
+
+    def selector(self, record: PluginRecord) -> str:
+        """The shortest allow/deny-list item that names ``record`` alone: its name, else its key."""
+        if sum(selects(record.name, r) for r in self._records.values()) == 1:
+            return record.name
+        return record.key
 
     def contributions(self, concern: str) -> list[Contribution]:
         """Every object contributed to ``concern`` by plugins that are not blocked.
@@ -393,7 +555,7 @@ class MilesPluginManager:
     def _priority(self, hook_name: str, record: PluginRecord) -> int:
         """2 for a ``tryfirst`` implementation, 0 for ``trylast``, 1 otherwise."""
         for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
-            if impl.plugin_name == record.name and not (impl.wrapper or impl.hookwrapper):
+            if impl.plugin_name == record.key and not (impl.wrapper or impl.hookwrapper):
                 return 2 if impl.tryfirst else 0 if impl.trylast else 1
         return 1
 
@@ -425,32 +587,51 @@ class MilesPluginManager:
             own = [i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper)]
             while True:
                 others = [p for p in order if p is not plugin] + dropped
+                started, heavy = time.perf_counter(), _heavy_loaded()
+                error: Exception | None = None
                 try:
                     results = self._pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
                 except Exception as exc:
-                    live = [w for w in wrappers if w.plugin not in dropped]
-                    wrapper = None if _passed_through(exc, own) else _innermost(exc, live)
-                    if wrapper is None:
-                        record.problems.append(
-                            Problem("hook", f"{hook_name} raised {_describe(exc)}", concern, _traceback())
-                        )
-                        self._fail(record)
-                        yield record, None
-                        break
-                    culprit = self._records[wrapper.plugin_name]
-                    culprit.problems.append(
-                        Problem("hook", f"{hook_name} wrapper raised {_describe(exc)}", concern, _traceback())
-                    )
-                    self._fail(culprit)
-                    dropped.append(wrapper.plugin)
-                    continue
-                yield record, results
-                break
+                    error, detail = exc, _traceback()
+                record.hook_ms += (time.perf_counter() - started) * 1000
+                _note_heavy(record, heavy, f"hook {hook_name}")
+                if error is None:
+                    yield record, results
+                    break
+                live = [w for w in wrappers if w.plugin not in dropped]
+                wrapper = None if _passed_through(error, own) else _innermost(error, live)
+                if wrapper is None:
+                    record.problems.append(Problem("hook", f"{hook_name} raised {_describe(error)}", concern, detail))
+                    self._fail(record)
+                    yield record, None
+                    break
+                culprit = self._records[wrapper.plugin_name]
+                culprit.problems.append(
+                    Problem("hook", f"{hook_name} wrapper raised {_describe(error)}", concern, detail)
+                )
+                self._fail(culprit)
+                dropped.append(wrapper.plugin)
 
     def collect_all(self) -> None:
         """Call every contribution hook once (what ``miles plugins list`` shows)."""
         for concern in CONCERN_HOOKS:
             self.contributions(concern)
+
+    def verify_cheap(self) -> None:
+        """Run, once, the ``verify()`` of every contribution that declares ``cheap_verify = True``
+        (what listing runs; the others are reported as not verified -- ``miles doctor`` verifies
+        everything). A failure is recorded against the plugin like any verification failure."""
+        self.collect_all()
+        with self._lock:
+            for concern in CONCERN_HOOKS:
+                for contribution in self._contributions[concern]:
+                    if (concern, contribution.name) in self._checked or getattr(contribution.obj, "cheap_verify", False) is not True:
+                        continue
+                    self._checked.add((concern, contribution.name))
+                    record, heavy = contribution.plugin, _heavy_loaded()
+                    with contextlib.suppress(ActivationError):  # recorded by verify()
+                        self.verify(contribution, contribution.obj.verify)
+                    _note_heavy(record, heavy, f"verify of {concern} {contribution.name!r}")
 
     def broken_for(self, concern: str) -> list[tuple[PluginRecord, list[Problem]]]:
         self.contributions(concern)
@@ -472,7 +653,7 @@ class MilesPluginManager:
                 f"plugin {record.label} is broken ({'; '.join(p.stage + ': ' + p.message for p in problems)})"
                 for record, problems in broken
             ]
-            names = ",".join(record.name for record, _ in broken)
+            names = ",".join(self.selector(record) for record, _ in broken)
             raise PluginLoadError(
                 f"cannot activate {concern}: "
                 + "; ".join(lines)
@@ -491,10 +672,12 @@ class MilesPluginManager:
 
     def verify(self, contribution: Contribution, check: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``check`` (a verify method) for ``contribution``; fail closed with provenance."""
+        record = contribution.plugin
+        outcomes = record.verification.setdefault(contribution.concern, {})
         try:
-            return check(*args, **kwargs)
+            result = check(*args, **kwargs)
         except Exception as exc:
-            record = contribution.plugin
+            outcomes[contribution.name] = "failed"
             cause = _describe(exc)
             record.problems.append(
                 Problem(
@@ -505,6 +688,8 @@ class MilesPluginManager:
                 )
             )
             raise contribution.error(cause) from exc
+        outcomes.setdefault(contribution.name, "verified")  # a failure earlier in the process stands
+        return result
 
     def record_applied_patch(self, patch: str, classes: Iterable[str]) -> None:
         """Record that ``patch`` was applied and verified on ``classes`` (enters the fingerprint)."""
@@ -564,11 +749,14 @@ def fingerprint_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any])
     if expected.get("digest") == actual.get("digest"):
         return []
     diffs: list[str] = []
-    exp_plugins = {p[0]: p for p in expected.get("plugins", [])}
-    act_plugins = {p[0]: p for p in actual.get("plugins", [])}
-    for name in sorted(exp_plugins.keys() | act_plugins.keys()):
-        if exp_plugins.get(name) != act_plugins.get(name):
-            diffs.append(f"plugin {name}: expected {exp_plugins.get(name)}, found {act_plugins.get(name)}")
+    exp_plugins = {(p[0], p[1]): p for p in expected.get("plugins", [])}
+    act_plugins = {(p[0], p[1]): p for p in actual.get("plugins", [])}
+    keys = exp_plugins.keys() | act_plugins.keys()
+    for key in sorted(keys, key=lambda k: (k[0], k[1] or "")):
+        if exp_plugins.get(key) != act_plugins.get(key):
+            name, dist = key
+            shown = name if sum(k[0] == name for k in keys) == 1 else f"{dist}:{name}"
+            diffs.append(f"plugin {shown}: expected {exp_plugins.get(key)}, found {act_plugins.get(key)}")
     exp_patches = expected.get("applied_patches", {})
     act_patches = actual.get("applied_patches", {})
     for name in sorted(exp_patches.keys() | act_patches.keys()):
@@ -642,6 +830,16 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _heavy_loaded() -> frozenset[str]:
+    return frozenset(m for m in HEAVY_MODULES if m in sys.modules)
+
+
+def _note_heavy(record: PluginRecord, before: frozenset[str], where: str) -> None:
+    """Blame ``record`` for every heavy module that appeared since ``before`` was taken."""
+    for module in sorted(_heavy_loaded() - before):
+        record.heavy_imports.setdefault(module, where)
+
+
 _manager: MilesPluginManager | None = None
 _manager_lock = threading.Lock()
 
@@ -655,6 +853,21 @@ def get_plugin_manager() -> MilesPluginManager:
             manager.discover()
             _manager = manager
         return _manager
+
+
+def listing_plugin_manager() -> MilesPluginManager:
+    """The manager ``miles plugins list|show`` report on: the process-wide one if it exists, else
+    a fresh one from the environment discovered inside :meth:`MilesPluginManager.recording`
+    (not installed process-wide). Listing is diagnostic: under ``MILES_PLUGIN_ERRORS=raise`` it
+    still lists everything and shows strict mode's verdict instead of stopping at the first error.
+    """
+    with _manager_lock:
+        if _manager is not None:
+            return _manager
+    manager = MilesPluginManager.from_environment()
+    with manager.recording():
+        manager.discover()
+    return manager
 
 
 def set_plugin_manager(manager: MilesPluginManager | None) -> MilesPluginManager | None:

@@ -72,8 +72,12 @@ def cli() -> None:
     \b
     Environment:
       MILES_PLUGINS=a,b            only these third-party plugins load (allow list)
-      MILES_DISABLE_PLUGINS=a,b    these plugins never load, built-ins included (deny list)
+      MILES_DISABLE_PLUGINS=a,b    these plugins never load, built-ins included (deny list);
+                                   in both lists an item is a plugin name, a distribution
+                                   name, or DIST:NAME (one of two same-named plugins)
       MILES_PLUGIN_ERRORS=raise    fail on the first plugin import, hook or verification error
+                                   (`miles plugins list|show` still list, with the verdict)
+      MILES_PLUGIN_SLOW_MS=ms      flag plugins slower than this to load (default 200)
       MILES_HARDWARE=name          select this hardware backend instead of detecting one
       MILES_CACHE_DIR=dir          cache of built model presets and the entry-point scan
                                    (default ~/.cache/miles)

@@ -55,6 +55,7 @@ class ArithmeticTask:
     )
     has_accuracy: bool = True
     tools: tuple = ()
+    cheap_verify: bool = True  # pure Python: `miles plugins list` runs verify()
 
     def prompts(self) -> list[Prompt]:
         return addition_prompts() if self.name == "arith-add" else successor_prompts()

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from miles_core.cli._output import console, emit_json, styled
+from miles_core.cli._output import console, emit_json, plain, styled
 from miles_core.errors import ConfigError, MilesError
 
 PROVIDER_HELP = "Sandbox provider name (see `miles sandbox providers`)."
@@ -93,15 +93,15 @@ def providers(as_json: bool, no_verify: bool) -> None:
             ", ".join(f"{k}={v}" for k, v in caps.items()) if caps else row["detail"] or row["description"]
         )
         table.add_row(
-            row["name"],
-            f"{row['plugin']} ({row['distribution']} {row['version']})",
+            plain(row["name"]),
+            plain(f"{row['plugin']} ({row['distribution']} {row['version']})"),
             styled(row["status"]),
-            summary,
+            plain(summary),
         )
     out = console()
     out.print(table)
     for item in broken:
-        out.print(f"[red]broken plugin[/] {item['plugin']}: {item['reason']}")
+        out.print(plain("broken plugin ", "red") + plain(f"{item['plugin']}: {item['reason']}"))
 
 
 @sandbox.command("run")
@@ -297,7 +297,7 @@ def sweep_cmd(
     out = console()
     verb = "would destroy" if dry_run else "destroyed"
     for row in report.destroyed:
-        out.print(f"{verb} {row['id']} (owner {row['owner']}@{row['host']}): {row['reason']}")
+        out.print(plain(f"{verb} {row['id']} (owner {row['owner']}@{row['host']}): {row['reason']}"))
     for row in report.kept:
-        out.print(f"[dim]kept {row['id']} (owner {row['owner']}@{row['host']}): {row['reason']}[/]")
+        out.print(plain(f"kept {row['id']} (owner {row['owner']}@{row['host']}): {row['reason']}", "dim"))
     out.print(f"{len(report.destroyed)} {verb}, {len(report.kept)} kept")

@@ -88,7 +88,7 @@ def serve(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
 def versions(as_json: bool) -> None:
     """List registered session versions and the plugin that provides each."""
-    from miles_core.cli._output import console, emit_json
+    from miles_core.cli._output import console, emit_json, plain
     from miles_core.plugins import get_plugin_manager
 
     rows = [
@@ -106,4 +106,4 @@ def versions(as_json: bool) -> None:
         return
     out = console()
     for row in rows:
-        out.print(f"[bold]{row['name']}[/] ({row['plugin']}): {row['description']}")
+        out.print(plain(row["name"], "bold") + plain(f" ({row['plugin']}): {row['description']}"))
