@@ -33,6 +33,12 @@ Rules every implementation follows:
 * **Every contribution has a unique** ``name`` (a ``str``) within its concern, and a ``verify``
   method that checks the *effect* of what it did (a patched class on the built model, an
   environment fix in place), never its intent. Verification failure stops the job (fail closed).
+  An object whose ``verify()`` is cheap (pure Python, no heavy import, no network, milliseconds)
+  says so with ``cheap_verify = True``: ``miles plugins list`` runs it, so a failure shows there;
+  the others are listed as not verified (``miles doctor`` verifies everything).
+* **A plugin is its (distribution, entry-point name).** Two distributions that declare the same
+  entry-point name conflict: neither is loaded (a built-in's name stays the built-in's) until
+  ``MILES_DISABLE_PLUGINS=DIST`` or ``DIST:NAME`` removes one.
 * **A hook that raises** marks the plugin ``broken`` with the error text. Commands that do not
   need the plugin keep working; a command that activates a concern it may contribute to fails
   naming it (unless ``MILES_DISABLE_PLUGINS`` names it).
