@@ -21,7 +21,8 @@ def doctor(as_json: bool) -> None:
     """Activate every concern and report each result.
 
     Exits 0 only if every required check passed; 1 otherwise (a broken plugin, a backend or patch
-    that fails verification, ...).
+    that fails verification, ...). Warnings never fail it: a plugin slow to load (with its
+    measured time), a plugin's hardware backend replacing a built-in one.
     """
     quiet_libraries()
     report = run_doctor(get_plugin_manager())
