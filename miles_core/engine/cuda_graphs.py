@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,18 +35,21 @@ def batch_buckets(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, decode: DecodeFn, state: SlotState, *, capture: bool = True, min_span: int = 64) -> None:
-        if state.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
+    """Decode steps on graph buckets; ``runtime`` is the device's graph API
+    (:func:`miles_core.hardware.devices.graph_runtime`)."""
+
+    def __init__(self, decode: DecodeFn, state: SlotState, runtime: Any, *, capture: bool = True,
+                 min_span: int = 64) -> None:
+        self.runtime = runtime
         self.decode = decode
         self.state = state
         self.capture = capture
         self.buckets = batch_buckets(state.max_slots)
         self.min_span = min_span
         self.ids = torch.zeros(state.max_slots, dtype=torch.long, device=state.device)
-        with torch.cuda.device(state.device):
-            self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        with runtime.device(state.device):
+            self.pool = runtime.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.generation = state.generation
         self.captures = 0
         self.replays = 0
@@ -79,16 +83,16 @@ class DecodeGraphs:
         return logits[:n]
 
     def _capture(self, bucket: int, span: int) -> torch.Tensor:
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        current = self.runtime.current_stream()
+        side = self.runtime.Stream()
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with self.runtime.stream(side):
             logits = self.decode(self.state, self.ids[:bucket], span)
         current.wait_stream(side)
         logits.record_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        # thread-local: another thread of this process (an in-process trainer) may use CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        graph = self.runtime.CUDAGraph()
+        # thread-local: another thread of this process (an in-process trainer) may use the device meanwhile
+        with self.runtime.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             static_logits = self.decode(self.state, self.ids[:bucket], span)
         self.graphs[(bucket, span)] = (graph, static_logits)
         self.captures += 1

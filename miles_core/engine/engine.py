@@ -55,6 +55,7 @@ from miles_core.engine.runner import RUNNERS, Runner, build_runner
 from miles_core.engine.sampling import RowParams, filters, sample_rows
 from miles_core.engine.stopping import Stop, StopChecker
 from miles_core.errors import ConfigError
+from miles_core.hardware.devices import bind_device, device_supports
 
 logger = logging.getLogger(__name__)
 
@@ -179,11 +180,14 @@ class Engine:
             self.model, kind=self.config.runner, max_slots=self.config.max_batch_size,
             max_model_len=self.max_model_len, cuda_graphs=self.config.cuda_graphs,
         )
-        self._chunk_tokens = self.config.prefill_chunk_tokens or (8192 if self.device.type == "cuda" else 2048)
+        on_host = self.device.type == "cpu"
+        self._chunk_tokens = self.config.prefill_chunk_tokens or (2048 if on_host else 8192)
         rows = self._runner.rows
         self._row_params = RowParams(rows, self.vocab_size, self.device)
         self._next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self._uniforms_host = torch.zeros(rows, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        self._uniforms_host = torch.zeros(
+            rows, dtype=torch.float64, pin_memory=device_supports(self.device, "pinned_memory_async_copy")
+        )
         self._seed_source = random.Random(self.config.seed)
         self._version = self.config.weight_version
         self._updates_applied = 0
@@ -392,8 +396,7 @@ class Engine:
                 self._fail_waiting(RuntimeError(self._crashed))
 
     def _serve(self) -> None:
-        if self.device.type == "cuda":  # streams and graph captures of this thread go to the model's GPU
-            torch.cuda.set_device(self.device)
+        bind_device(self.device)  # streams and graph captures of this thread go to the model's device
         with torch.inference_mode():
             while True:
                 with self._cond:

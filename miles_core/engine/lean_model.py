@@ -288,8 +288,9 @@ class LeanModel:
         self.rotate = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)]).to(self.device)
         self.arange = torch.arange(max(max_model_len, 1), device=self.device)
         #: attention through SDPA (CUDA: fp32 softmax and accumulation) or batched matmuls (CPU)
-        self.sdpa = self.device.type == "cuda"
-        self.fuse_norms(self.device.type == "cuda")
+        on_accelerator = self.device.type != "cpu"
+        self.sdpa = on_accelerator
+        self.fuse_norms(on_accelerator)
 
     def norms(self) -> list[_Norm]:
         out = [self.final_norm]

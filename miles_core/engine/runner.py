@@ -74,11 +74,16 @@ class LeanRunner:
         )
         self.rows = self.state.rows
         self.lengths = self.state.host_lengths
-        self.graphs = None  # on CUDA: decode steps padded to graph buckets, replayed unless cuda_graphs=False
-        if self.model.device.type == "cuda":
+        # where the backend claims device graphs (CUDA, ROCm): decode steps padded to graph buckets,
+        # replayed unless cuda_graphs=False
+        self.graphs = None
+        from miles_core.hardware.devices import graph_runtime
+
+        runtime = graph_runtime(self.model.device)
+        if runtime is not None:
             from miles_core.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model.decode, self.state, capture=cuda_graphs)
+            self.graphs = DecodeGraphs(self.model.decode, self.state, runtime, capture=cuda_graphs)
 
     def reset_rows(self, rows: list[int]) -> None:
         self.state.reset_rows(rows)

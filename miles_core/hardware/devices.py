@@ -74,6 +74,15 @@ def bind_device(device: torch.device) -> None:
         runtime.set_device(device)
 
 
+def graph_runtime(device: torch.device) -> Any:
+    """The device runtime whose graph API captures and replays work on ``device`` (``torch.cuda``
+    on CUDA and ROCm builds: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, streams), or ``None``
+    when the active backend does not claim ``device_graphs`` for it."""
+    if not device_supports(device, "device_graphs"):
+        return None
+    return _runtime(device.type)
+
+
 def distributed_backend() -> str:
     """The ``torch.distributed`` backend of the active hardware backend (gloo, nccl, ...)."""
     from miles_core.hardware.activation import activate
