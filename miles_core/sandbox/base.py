@@ -256,7 +256,9 @@ class Capabilities:
 
     ``ttl``: ``rearmable`` if ``extend`` pushes the deadline out again, ``hard`` if fixed.
     ``limits``: the :data:`LIMIT_NAMES` enforced per exec. ``users``: accepted ``user=`` names
-    (``None``: any user the image has).
+    (``None``: any user the image has). ``isolates``: the hostile probes of the conformance kit
+    (:data:`miles_core.testing.sandbox.PROBES`) the provider claims to stop -- the kit fails a
+    claimed probe that gets through.
     """
 
     ttl: Literal["rearmable", "hard"]
@@ -266,6 +268,7 @@ class Capabilities:
     background_exec: bool
     limits: frozenset[str]
     users: tuple[str, ...] | None = None
+    isolates: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -276,6 +279,7 @@ class Capabilities:
             "background_exec": self.background_exec,
             "limits": sorted(self.limits),
             "users": list(self.users) if self.users is not None else None,
+            "isolates": sorted(self.isolates),
         }
 
 

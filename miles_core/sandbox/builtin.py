@@ -21,11 +21,14 @@ class LocalProviderSpec(SandboxProviderSpec):
     name = "local"
     default_base = "host"
     description = (
-        "Process sandboxes on this host: rlimits, private dir and uid, network namespace, TTL watchdog."
+        "Sandboxes on this host: Linux namespaces (bwrap or unshare) or processes; limits, TTL watchdog."
     )
     options: ClassVar[dict[str, str]] = {
         "root": "state directory (default $MILES_SANDBOX_ROOT or $TMPDIR/miles-sandbox-<uid>)",
-        "isolate_network": "true/false; default: isolate when the host permits network namespaces",
+        "isolation": "namespaces or process; default: namespaces where the host supports them",
+        "namespace_tool": "auto (bwrap if installed and working, else unshare), bwrap or unshare",
+        "tmpfs_mb": "size of each private /tmp, /var/tmp and /dev/shm in MB (namespaces; default 256)",
+        "isolate_network": "process isolation: true/false; default: when the host permits network namespaces",
         "step_timeout_s": "seconds one image build step may run (default 1800)",
     }
 
@@ -36,12 +39,28 @@ class LocalProviderSpec(SandboxProviderSpec):
 
         return getpass.getuser()
 
-    def create(self, config: Mapping[str, Any] | None = None) -> SandboxProvider:
+    def check_config(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         cfg = check_options(self.name, config, self.options)
         if "isolate_network" in cfg:
             cfg["isolate_network"] = _boolean(cfg["isolate_network"], "isolate_network")
         if "step_timeout_s" in cfg:
             cfg["step_timeout_s"] = _positive(cfg["step_timeout_s"], "step_timeout_s")
+        if "tmpfs_mb" in cfg:
+            cfg["tmpfs_mb"] = int(_positive(cfg["tmpfs_mb"], "tmpfs_mb", unit="megabytes"))
+        for key, allowed in (("isolation", ("namespaces", "process")), ("namespace_tool", ("auto", "bwrap", "unshare"))):
+            if key in cfg and cfg[key] not in allowed:
+                raise ConfigError(
+                    f"local provider option {key}: expected one of {', '.join(allowed)}, got {cfg[key]!r}"
+                )
+        if cfg.get("isolation") == "namespaces" and cfg.get("isolate_network") is False:
+            raise ConfigError(
+                "local provider options isolation=namespaces and isolate_network=false contradict: a namespace "
+                "sandbox has its own network unless created with network=True"
+            )
+        return cfg
+
+    def create(self, config: Mapping[str, Any] | None = None) -> SandboxProvider:
+        cfg = self.check_config(config)
         from miles_core.sandbox.local.provider import LocalProvider
 
         return LocalProvider(**cfg)
@@ -63,15 +82,13 @@ def _boolean(value: Any, key: str) -> bool:
     raise ConfigError(f"local provider option {key}: expected true or false, got {value!r}")
 
 
-def _positive(value: Any, key: str) -> float:
+def _positive(value: Any, key: str, unit: str = "seconds") -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = -1.0
     if not number > 0:
-        raise ConfigError(
-            f"local provider option {key}: expected a positive number of seconds, got {value!r}"
-        )
+        raise ConfigError(f"local provider option {key}: expected a positive number of {unit}, got {value!r}")
     return number
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,13 +86,16 @@ def providers(as_json: bool, no_verify: bool) -> None:
     from rich.table import Table
 
     table = Table(title="sandbox providers", title_justify="left")
-    for column in ("provider", "plugin", "status", "capabilities / detail"):
+    for column in ("provider", "plugin", "status", "isolation / capabilities / detail"):
         table.add_column(column, overflow="fold")
     for row in rows:
         caps = row["facts"].get("capabilities", {})
         summary = (
             ", ".join(f"{k}={v}" for k, v in caps.items()) if caps else row["detail"] or row["description"]
         )
+        isolation = _isolation_line(row["facts"])
+        if isolation:
+            summary = f"{isolation}\n{summary}"
         table.add_row(
             plain(row["name"]),
             plain(f"{row['plugin']} ({row['distribution']} {row['version']})"),
@@ -102,6 +106,85 @@ def providers(as_json: bool, no_verify: bool) -> None:
     out.print(table)
     for item in broken:
         out.print(plain("broken plugin ", "red") + plain(f"{item['plugin']}: {item['reason']}"))
+
+
+def _isolation_line(facts: dict[str, Any]) -> str:
+    """``isolation: namespaces (bwrap: bubblewrap 0.8.0); python: /usr/bin/python3 3.11.2 (host)``."""
+    isolation = facts.get("isolation")
+    if not isolation:
+        return ""
+    text = f"isolation: {isolation}"
+    if facts.get("tool"):
+        text += f" ({facts['tool']}: {facts.get('tool_detail')})"
+    elif isolation == "process" and facts.get("namespaces"):
+        text += f" (namespaces unavailable: {facts['namespaces'].get('detail')})"
+    python = facts.get("interpreters")
+    text += f"; python: {python['python']} {python['version']} ({python['origin']})" if python else "; python: none"
+    return text
+
+
+@sandbox.command("probe")
+@_provider_options
+@click.option(
+    "--probe", "names", multiple=True, metavar="NAME", help="Run only this probe (repeatable; default: all)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
+def probe_cmd(
+    provider: str, config_path: Path | None, options: tuple[str, ...], names: tuple[str, ...], as_json: bool
+) -> None:
+    """Run the hostile probes -- what model-written code tries to do -- against a provider.
+
+    Each probe runs in a fresh sandbox and is judged from evidence: reading another process's
+    environment, signalling a host process, reading another sandbox's files, escaping destroy,
+    leaving files in /tmp, /dev/shm or /var/tmp, a bounded fork loop, reaching the host's
+    network, seeing host processes or reading host files. Exits 1 if a probe the provider
+    claims to stop (its capabilities' isolates) got through.
+    """
+    from miles_core.sandbox.activation import open_provider
+    from miles_core.sandbox.aio import run_sync
+    from miles_core.sandbox.config import load_config
+    from miles_core.testing.sandbox_probes import PROBES, hostile_probes
+
+    unknown = sorted(set(names) - set(PROBES))
+    if unknown:
+        raise ConfigError(f"--probe: unknown probe(s) {', '.join(unknown)}; known: {', '.join(PROBES)}")
+    sandbox_provider = open_provider(provider, load_config(config_path, options))
+
+    async def go() -> Any:
+        try:
+            return await hostile_probes(sandbox_provider, names=list(names) or None, local=provider == "local")
+        finally:
+            await sandbox_provider.aclose()
+
+    results = run_sync(go())
+    described = getattr(sandbox_provider, "describe", None)
+    failed = [r for r in results if r.claimed and r.escaped]
+    if as_json:
+        emit_json(
+            {
+                "provider": provider,
+                "user": os.geteuid(),
+                "setup": described() if callable(described) else {},
+                "claims": sorted(sandbox_provider.capabilities.isolates),
+                "probes": [r.to_dict() for r in results],
+                "escaped": sum(r.escaped for r in results),
+                "claimed_escaped": len(failed),
+            }
+        )
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"hostile probes: {provider} (uid {os.geteuid()})", title_justify="left")
+        for column in ("probe", "result", "claimed", "evidence"):
+            table.add_column(column, overflow="fold")
+        colours = {"escaped": "red", "blocked": "green", "not observable": "yellow"}
+        for r in results:
+            verdict = "escaped" if r.escaped else ("blocked" if r.observed else "not observable")
+            claimed = "yes" if r.claimed else "no"
+            table.add_row(r.name, f"[{colours[verdict]}]{verdict}[/]", claimed, r.evidence)
+        console().print(table)
+    if failed:
+        sys.exit(1)
 
 
 @sandbox.command("run")

@@ -33,6 +33,12 @@ class SandboxProviderSpec(ABC):
     default_build_user: str = "root"
     options: ClassVar[Mapping[str, str]] = {}
 
+    def check_config(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Validate ``config`` without creating anything (cheap: no SDK import); returns it
+        normalised. Raises :class:`~miles_core.errors.ConfigError` naming the offending key.
+        ``miles train`` calls it when its config is built, so bad options fail before any work."""
+        return check_options(self.name, config, self.options)
+
     @abstractmethod
     def create(self, config: Mapping[str, Any] | None = None) -> SandboxProvider: ...
 

@@ -17,6 +17,12 @@ Each test runs in its own event loop (``drive``), labels what it creates with a 
 ``python3`` inside the sandbox and compare a violating command with a control that stays under
 the limit, for every limit the provider declares in ``capabilities.limits``.
 
+``test_hostile_probe`` runs every probe of :mod:`miles_core.testing.sandbox_probes` (what
+model-written code tries: other processes' environments, signals, another sandbox's files,
+escaping destroy, leftover files, a fork loop, the network, the host's processes and files) and
+fails a probe the provider claims to stop (``capabilities.isolates``) that gets through;
+unclaimed probes are reported as skipped, with what they found.
+
 :func:`cancellation_storm` cancels many managed creates at random points and reports leaks and
 the peak number of concurrent provider creates (via :class:`CountingProvider`).
 """
@@ -53,6 +59,19 @@ from miles_core.sandbox.base import (
 from miles_core.sandbox.errors import SandboxError, SandboxNotFound, SandboxUnsupported
 from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.retry import RetryPolicy
+from miles_core.testing.sandbox_probes import PROBES, ProbeResult, host_traps, hostile_probes, run_probe
+
+__all__ = [
+    "PROBES",
+    "CountingProvider",
+    "InMemoryProvider",
+    "ProbeResult",
+    "ProviderConformance",
+    "StormReport",
+    "cancellation_storm",
+    "hostile_probes",
+    "naive_create_leaks",
+]
 
 T = TypeVar("T")
 RUN_LABEL = "conformance.run"
@@ -325,6 +344,11 @@ class ProviderConformance:
     build_user: ClassVar[str] = "root"
     #: seconds for the TTL-expiry test; None skips it (providers whose minimum TTL is long)
     ttl_test_s: ClassVar[float | None] = 1.0
+    #: the sandboxes run on this host (the hostile probes then also watch the host's processes
+    #: and files after destroy)
+    runs_on_this_host: ClassVar[bool] = True
+    #: why the hostile probes cannot apply to this provider (an in-process fake, say); None: run
+    hostile_probes_skip: ClassVar[str | None] = None
 
     @pytest.fixture
     def provider_factory(self) -> ProviderFactory:
@@ -518,6 +542,23 @@ class ProviderConformance:
                 await provider.destroy(ref.id)
 
         self.check(provider_factory, body)
+
+    @pytest.mark.parametrize("probe", list(PROBES))
+    def test_hostile_probe(self, provider_factory: ProviderFactory, probe: str) -> None:
+        """A probe the provider claims to stop must not get through (see sandbox_probes)."""
+        if self.hostile_probes_skip is not None:
+            pytest.skip(self.hostile_probes_skip)
+
+        async def body(provider: SandboxProvider, labels: dict[str, str]) -> ProbeResult:
+            with host_traps() as traps:
+                return await run_probe(provider, probe, traps, local=self.runs_on_this_host, labels=labels)
+
+        result = self.check(provider_factory, body)
+        if not result.observed:
+            pytest.skip(f"{probe}: not observable here ({result.evidence})")
+        if not result.claimed:
+            pytest.skip(f"{probe} is not claimed by this provider (escaped={result.escaped}: {result.evidence})")
+        assert not result.escaped, f"{probe} got through: {result.evidence}"
 
     def test_cancellation_storm_small(self, provider_factory: ProviderFactory) -> None:
         """A short storm (the full 1,000-create storm lives in each provider's own tests)."""

@@ -17,10 +17,25 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.sandbox.errors import SandboxFatalError, SandboxNotFound
+from miles_core.sandbox.local.images import DEFAULT_PATH
 from miles_core.sandbox.secrets import get_logger
 
 log = get_logger(__name__)
 LINE_LIMIT = 1 << 26  # one reply carries up to two capped outputs, JSON-escaped
+
+
+def supervisor_env() -> dict[str, str]:
+    """The whole environment the supervisor starts with: an allow list, never the owner's
+    (whose API keys a sandbox could otherwise read from ``/proc/<supervisor>/environ``).
+
+    ``PYTHONPATH`` is the owner's import path (``sys.path``, not its variable), so the
+    supervisor imports the same miles as its owner.
+    """
+    return {
+        "PATH": DEFAULT_PATH,
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isabs(p)),
+    }
 
 
 class SupervisorClient:
@@ -43,6 +58,8 @@ class SupervisorClient:
             [sys.executable, "-m", "miles_core.sandbox.local.supervisor", str(root), str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env=supervisor_env(),
+            cwd="/",
             start_new_session=True,  # a Ctrl-C aimed at the owner must not take the TTL keeper along
         )
         loop = asyncio.get_running_loop()

@@ -25,14 +25,16 @@ def _require_regular(fd: int, path: str) -> None:
         raise OSError(0, f"{path!r} is not a regular file")
 
 
-def _parts(workdir: Path, path: str) -> list[str]:
+def _parts(visible: PurePosixPath, path: str) -> list[str]:
+    """``path`` (relative, or absolute under ``visible``: the working directory as the sandbox
+    sees it) as components below the working directory."""
     pure = PurePosixPath(path)
     if pure.is_absolute():
         try:
-            pure = pure.relative_to(workdir)
+            pure = pure.relative_to(visible)
         except ValueError:
             raise SandboxFatalError(
-                f"path {path!r} is outside the sandbox's working directory {workdir}", provider="local"
+                f"path {path!r} is outside the sandbox's working directory {visible}", provider="local"
             ) from None
     parts = [p for p in pure.parts if p not in ("", ".")]
     if not parts or ".." in parts:
@@ -62,9 +64,13 @@ def _open_parent(workdir: Path, parts: list[str], *, create: bool, owner: int | 
         raise
 
 
-def write_file(workdir: Path, path: str, data: bytes, *, mode: int, owner: int | None) -> None:
-    """Write ``data`` to ``path`` (relative to ``workdir``), owned by the sandbox's uid."""
-    parts = _parts(workdir, path)
+def write_file(
+    workdir: Path, path: str, data: bytes, *, mode: int, owner: int | None, visible: str | None = None
+) -> None:
+    """Write ``data`` to ``path`` (relative to ``workdir``), owned by the sandbox's uid.
+
+    ``visible``: the working directory's path inside the sandbox (default: ``workdir``)."""
+    parts = _parts(PurePosixPath(visible or workdir), path)
     try:
         parent = _open_parent(workdir, parts, create=True, owner=owner)
         try:
@@ -81,8 +87,8 @@ def write_file(workdir: Path, path: str, data: bytes, *, mode: int, owner: int |
         raise SandboxFatalError(f"cannot write {path!r}: {exc.strerror}", provider="local") from None
 
 
-def read_file(workdir: Path, path: str) -> bytes:
-    parts = _parts(workdir, path)
+def read_file(workdir: Path, path: str, *, visible: str | None = None) -> bytes:
+    parts = _parts(PurePosixPath(visible or workdir), path)
     try:
         parent = _open_parent(workdir, parts, create=False, owner=None)
         try:

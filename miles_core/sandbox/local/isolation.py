@@ -1,12 +1,13 @@
-"""OS primitives of the local provider: rlimits, network namespaces, per-sandbox users.
+"""OS primitives of the local provider's ``process`` isolation: rlimits, network namespaces,
+per-sandbox users (the ``namespaces`` isolation is :mod:`miles_core.sandbox.local.namespaces`).
 
 Everything here is what the host permits, probed rather than assumed:
 
 * **Resource limits** (``setrlimit`` in the child before ``exec``): CPU seconds, address
   space, file size, open files, and the process count -- the latter only counts per user, so it
   isolates one sandbox only when the sandbox has a user of its own (below).
-* **Per-sandbox users.** Running as root, each sandbox gets a uid of its own from
-  :data:`UID_BASE`: its files are private, ``RLIMIT_NPROC`` caps that sandbox alone, and
+* **Per-sandbox users.** Running as root, each sandbox gets a uid of its own
+  (:mod:`miles_core.sandbox.local.uids`): its files are private, ``RLIMIT_NPROC`` caps that sandbox alone, and
   destroying it kills *every* process of that uid (``kill(-1)`` run as the uid), including
   daemons that left the process group.
 * **Network isolation** (``CLONE_NEWNET``, needs ``CAP_SYS_ADMIN``): one namespace per sandbox
@@ -17,23 +18,17 @@ Everything here is what the host permits, probed rather than assumed:
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
 import resource
-import socket
-import struct
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from functools import cache
 
 from miles_core.sandbox.base import Limits
+from miles_core.sandbox.local.namespaces import CLONE_NEWNET, bring_loopback_up
 
-CLONE_NEWNET = 0x40000000
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-#: first uid handed to sandboxes when running as root; UID_SLOTS uids from there
-UID_BASE = 1_900_000
-UID_SLOTS = 65_536
 MB = 1 << 20
 #: variable set in every sandboxed process's environment (found again by destroy)
 MARKER_VAR = "MILES_SANDBOX_ID"
@@ -61,10 +56,7 @@ def new_network_namespace() -> int:
             err = ctypes.get_errno()
             raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-                request = struct.pack("16sH22x", b"lo", 0)
-                flags = struct.unpack("16sH22x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
-                fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+            bring_loopback_up()
             return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             if libc.setns(home, CLONE_NEWNET) != 0:
@@ -87,8 +79,12 @@ def network_isolation_available() -> bool:
         return False
 
 
-def rlimits(limits: Limits) -> list[tuple[int, int]]:
-    """``(resource, value)`` pairs that enforce ``limits`` (hard = soft)."""
+def rlimits(limits: Limits, *, processes: bool | None = None) -> list[tuple[int, int]]:
+    """``(resource, value)`` pairs that enforce ``limits`` (hard = soft).
+
+    ``processes``: whether to set ``RLIMIT_NPROC``, which counts per user (per user namespace
+    since Linux 5.14); default: when running as root, where each sandbox has a uid of its own.
+    """
     pairs = [
         (resource.RLIMIT_CPU, limits.cpu_seconds),
         (resource.RLIMIT_AS, limits.memory_mb * MB),
@@ -96,7 +92,7 @@ def rlimits(limits: Limits) -> list[tuple[int, int]]:
         (resource.RLIMIT_NOFILE, limits.open_files),
         (resource.RLIMIT_CORE, 0),
     ]
-    if is_root():  # per-uid count: meaningful only when the sandbox has a uid of its own
+    if is_root() if processes is None else processes:
         pairs.append((resource.RLIMIT_NPROC, limits.processes))
     return pairs
 
@@ -118,6 +114,7 @@ def child_setup(limits: list[tuple[int, int]], uid: int | None, netns_fd: int | 
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         os.umask(0o077)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the supervisor ignores it; commands must not
 
     return setup
 

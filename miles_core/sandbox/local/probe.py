@@ -1,8 +1,9 @@
 """``verify()`` of the local provider: run one real sandbox and check what it promised.
 
 The probe creates a sandbox in a scratch root with distinctive limits, then reads the limits
-and network interfaces *from inside it* (``/proc/self/limits``, ``/proc/net/dev``), round-trips
-a file, destroys it and checks nothing is left. Any mismatch raises, naming what differed.
+and network interfaces *from inside it* (``/proc/self/limits``, ``/proc/net/dev``), and, with
+namespace isolation, its processes, capabilities, uid map and read-only root; it round-trips a
+file, destroys the sandbox and checks nothing is left. Any mismatch raises, naming what differed.
 """
 
 from __future__ import annotations
@@ -26,32 +27,36 @@ LIMIT_ROWS = {
     "Max processes": ("processes", 1),
     "Max open files": ("open_files", 1),
 }
+INSIDE = (
+    "cat /proc/self/limits; echo ---; cat /proc/net/dev; echo ---; "
+    "ls -d /proc/[0-9]* | wc -l; grep -E '^(CapEff|NoNewPrivs):' /proc/self/status; "
+    "cat /proc/self/uid_map; touch /miles-probe 2>/dev/null && echo root-writable; true"
+)
 
 
-def probe() -> dict[str, Any]:
+def probe(config: dict[str, Any] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="miles-sandbox-probe-") as root:
         os.chmod(root, 0o711)  # sandbox uids traverse it to reach their working directory
-        return run_sync(_probe(Path(root)))
+        return run_sync(_probe(Path(root), config or {}))
 
 
-async def _probe(root: Path) -> dict[str, Any]:
+async def _probe(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     from miles_core.sandbox.local.provider import LocalProvider
 
     started = time.perf_counter()
-    provider = LocalProvider(root / "state")
+    provider = LocalProvider(root / "state", **config)
     try:
         ref = await provider.create(SandboxSpec(ttl_s=60, limits=PROBE_LIMITS))
         try:
-            result = await provider.exec(
-                ref, "cat /proc/self/limits; echo ---; cat /proc/net/dev", timeout=30
-            )
+            result = await provider.exec(ref, INSIDE, timeout=30)
             if not result.ok:
                 raise RuntimeError(f"probe command failed (exit {result.exit_code}): {result.stderr.strip()}")
-            limits_text, _, net_text = result.stdout.partition("---")
+            limits_text, net_text, ns_text = result.stdout.split("---", 2)
             enforced = _check_limits(limits_text, provider.capabilities.limits)
             interfaces = sorted(re.findall(r"^\s*([^\s:]+):", net_text, re.M))
             if provider.capabilities.network_isolation and interfaces != ["lo"]:
                 raise RuntimeError(f"network isolation claimed but the sandbox sees interfaces {interfaces}")
+            inside = _check_namespaces(ns_text) if provider.isolation == "namespaces" else {}
             await provider.write_file(ref, "probe/file.txt", b"probe")
             if await provider.read_file(ref, "probe/file.txt") != b"probe":
                 raise RuntimeError("file written into the sandbox did not read back")
@@ -63,11 +68,31 @@ async def _probe(root: Path) -> dict[str, Any]:
     finally:
         await provider.aclose()
     return {
+        **provider.describe(),
         "capabilities": provider.capabilities.to_dict(),
         "limits_seen_inside": enforced,
         "interfaces_inside": interfaces,
+        **({"seen_inside": inside} if inside else {}),
         "probe_ms": round((time.perf_counter() - started) * 1000, 1),
     }
+
+
+def _check_namespaces(text: str) -> dict[str, Any]:
+    """What a namespace sandbox must look like from inside: a handful of its own processes, no
+    capabilities, no_new_privs, one mapped uid, a read-only root."""
+    lines = text.split()
+    processes = int(lines[0])
+    if processes > 8:
+        raise RuntimeError(f"namespace isolation claimed but the sandbox sees {processes} processes")
+    status = dict(re.findall(r"^(CapEff|NoNewPrivs):\s*(\S+)", text, re.M))
+    if status.get("CapEff") != "0000000000000000" or status.get("NoNewPrivs") != "1":
+        raise RuntimeError(f"sandboxed commands hold privileges: {status}")
+    maps = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s*$", text, re.M)
+    if len(maps) != 1 or maps[0][2] != "1":
+        raise RuntimeError(f"the sandbox's user namespace maps more than one uid: {maps}")
+    if "root-writable" in text:
+        raise RuntimeError("the sandbox's root filesystem is writable")
+    return {"processes": processes, "uid_map": " ".join(maps[0]), **status}
 
 
 def _check_limits(text: str, declared: frozenset[str]) -> dict[str, int]:

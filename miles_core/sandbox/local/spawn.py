@@ -27,10 +27,11 @@ class Child:
         self,
         argv: list[str],
         *,
-        cwd: str,
+        cwd: str | None,
         env: dict[str, str],
         setup: Callable[[], None],
         capture: bool,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         target = subprocess.PIPE if capture else subprocess.DEVNULL
         self.started = time.monotonic()
@@ -43,6 +44,7 @@ class Child:
             stderr=target,
             start_new_session=True,
             preexec_fn=setup,
+            pass_fds=pass_fds,
         )
         self.pidfd = os.pidfd_open(self.proc.pid)
 

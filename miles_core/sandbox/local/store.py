@@ -2,11 +2,16 @@
 
 Layout under the root (default ``$TMPDIR/miles-sandbox-<uid>``, or ``MILES_SANDBOX_ROOT``)::
 
-    sandboxes/<id>/meta.json   labels, deadline, uid, limits, env (root-only, 0600)
+    sandboxes/<id>/meta.json   labels, deadline, uid, isolation, init pid, limits, env (0600)
     sandboxes/<id>/work/       the sandbox's working directory (owned by its uid)
-    uids/<uid> -> <id>         claims on per-sandbox uids (symlink creation is atomic)
+    sandboxes/<id>/root/       mount point of a namespace sandbox's root (unshare tool)
+    sandboxes/<id>/bwrap.log   bwrap's own errors (bwrap tool)
     images/<digest>/           finished images (a rename makes them appear whole)
     images/<digest>.lock       serialises builds of one digest across processes
+    bin/python, bin/python3    the interpreter of process-isolated sandboxes
+
+Per-sandbox uids (root only) are claimed in the host-wide registry of
+:mod:`miles_core.sandbox.local.uids`, shared by every state root.
 
 The files *are* the state: listing reads ``meta.json``, and a supervisor can destroy any
 sandbox from its metadata alone (its own, an orphan found by a sweep, or one whose supervisor
@@ -18,7 +23,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import shutil
+import signal
 import stat
 import tempfile
 import time
@@ -28,9 +35,12 @@ from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_bytes_atomic
-from miles_core.sandbox.errors import SandboxCapacityError
-from miles_core.sandbox.local.isolation import UID_BASE, UID_SLOTS, kill_sandbox_processes, kill_uid
-from miles_core.sandbox.ownership import process_alive
+from miles_core.sandbox.local.isolation import kill_sandbox_processes, kill_uid
+from miles_core.sandbox.local.uids import UidRegistry
+from miles_core.sandbox.ownership import process_alive, process_start_time
+
+#: how long destroying a namespace sandbox waits for the kernel to end its pid namespace
+INIT_EXIT_TIMEOUT_S = 10.0
 
 ENV_ROOT = "MILES_SANDBOX_ROOT"
 
@@ -56,6 +66,13 @@ class Meta:
     env: dict[str, str] = field(default_factory=dict)
     supervisor_pid: int | None = None
     supervisor_start: str | None = None
+    isolation: str = "process"  # or "namespaces"
+    tool: str | None = None  # namespaces: "bwrap" or "unshare"
+    tmpfs_mb: int = 256
+    init_pid: int | None = None  # namespaces: the sandbox's pid 1, as the host sees it
+    init_start: str | None = None
+    keeper_pid: int | None = None  # namespaces: the host process holding the init
+    keeper_start: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Meta:
@@ -66,12 +83,14 @@ class Store:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.sandboxes = root / "sandboxes"
-        self.uids = root / "uids"
         self.images = root / "images"
-        for path in (root, self.sandboxes, self.uids, self.images):
+        self.bin = root / "bin"
+        for path in (root, self.sandboxes, self.images, self.bin):
             _private_dir(path)
+        self.registry: UidRegistry | None = None
         if os.geteuid() == 0:
             _check_traversable(root)
+            self.registry = UidRegistry()
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -105,22 +124,22 @@ class Store:
         return out
 
     def claim_uid(self, sandbox_id: str) -> int:
-        """A uid no other live sandbox holds (claimed by an atomic symlink)."""
-        start = secrets.randbelow(UID_SLOTS)
-        for offset in range(UID_SLOTS):
-            uid = UID_BASE + (start + offset) % UID_SLOTS
-            try:
-                os.symlink(sandbox_id, self.uids / str(uid))
-                return uid
-            except FileExistsError:
-                continue
-        raise SandboxCapacityError(f"all {UID_SLOTS} sandbox uids are in use", provider="local")
+        """A host uid no other live sandbox holds, from the host-wide registry (root only)."""
+        if self.registry is None:
+            raise RuntimeError("per-sandbox uids need root")
+        return self.registry.claim(self.root, sandbox_id)
 
     def remove(self, meta: Meta) -> bool:
-        """Kill every process of the sandbox, then delete it. Idempotent; True if it existed."""
+        """Kill every process of the sandbox, then delete it. Idempotent; True if it existed.
+
+        Call from the supervisor (killing a uid's processes forks)."""
+        if meta.init_pid is not None:
+            kill_and_wait(meta.init_pid, meta.init_start)  # the kernel ends its pid namespace
+        if meta.keeper_pid is not None:
+            kill_and_wait(meta.keeper_pid, meta.keeper_start)
         if meta.uid is not None:
             kill_uid(meta.uid)
-        else:
+        elif meta.isolation == "process":
             kill_sandbox_processes(meta.id)
         directory = self.sandbox_dir(meta.id)
         try:
@@ -128,11 +147,8 @@ class Store:
             existed = True
         except FileNotFoundError:
             existed = False
-        if meta.uid is not None:
-            try:
-                os.unlink(self.uids / str(meta.uid))
-            except FileNotFoundError:
-                pass
+        if meta.uid is not None and self.registry is not None:
+            self.registry.release(meta.uid, self.root, meta.id)
         remove_tree(directory)
         return existed
 
@@ -153,6 +169,30 @@ class Store:
 
     def image_dir(self, digest: str) -> Path:
         return self.images / digest
+
+
+def kill_and_wait(pid: int, start: str | None, timeout: float = INIT_EXIT_TIMEOUT_S) -> bool:
+    """SIGKILL ``pid`` if it is still the process that started at ``start`` and wait until it
+    has exited (through a pidfd: a recycled pid is never signalled). True if it was alive.
+
+    An init's exit completes only once every other process of its pid namespace is gone."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if start is not None and process_start_time(pid) != start:
+            return False
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"process {pid} did not exit {timeout:g}s after SIGKILL")
+        return True
+    finally:
+        os.close(pidfd)
 
 
 def _private_dir(path: Path) -> None:

@@ -10,7 +10,13 @@ JSON lines on stdin/stdout. It exists for three reasons:
   ``exec``; that is only safe in a single-threaded process, which the owner (a trainer with
   torch/CUDA threads) is not. The supervisor is single-threaded by construction (processes
   watched through pidfds, no executors) and small, so its forks are cheap too.
-* **Results the sandbox cannot forge.** It runs as the owner's user, outside every sandbox uid.
+* **Results the sandbox cannot forge.** It runs outside every sandbox: as the owner's user, in
+  the host's namespaces.
+
+It starts with a scrubbed environment (:func:`miles_core.sandbox.local.client.supervisor_env`),
+never the owner's. With ``isolation = "namespaces"`` each tracked sandbox has an init process
+(:mod:`~miles_core.sandbox.local.namespaces`) that the supervisor starts, enters for every
+command and kills to destroy it; an init that dies on its own takes its sandbox with it.
 
 Requests: ``{"req": n, "op": ..., ...}``; replies ``{"req": n, "ok": true, ...}`` or
 ``{"req": n, "ok": false, "kind": "not_found"|"fatal", "message": ...}``.
@@ -21,20 +27,26 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_core.sandbox.base import Limits
+from miles_core.sandbox.local import namespaces
 from miles_core.sandbox.local.isolation import child_setup, new_network_namespace, rlimits
 from miles_core.sandbox.local.spawn import Child
 from miles_core.sandbox.local.store import Meta, Store
 from miles_core.sandbox.ownership import process_alive, process_start_time
 
 OWNER_POLL_S = 1.0
+#: how long a namespace sandbox may take to start
+START_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -42,6 +54,14 @@ class Tracked:
     meta: Meta
     netns_fd: int | None
     timer: asyncio.TimerHandle | None = None
+    init_pidfd: int | None = None  # namespaces: the sandbox's pid 1
+    keeper: subprocess.Popen[bytes] | None = None  # namespaces, bwrap: its outer process
+    keeper_pid: int | None = None  # namespaces, unshare: the monitor (our child)
+
+    @property
+    def root_owned(self) -> bool:
+        """Namespaces other than the user one owned by the host's (the unshare tool as root)."""
+        return self.meta.tool == "unshare" and os.geteuid() == 0
 
 
 class Failure(Exception):
@@ -116,6 +136,28 @@ class Supervisor:
             tracked.timer.cancel()
         if tracked.netns_fd is not None:
             os.close(tracked.netns_fd)
+        if tracked.init_pidfd is not None:
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(tracked.init_pidfd)
+            try:
+                signal.pidfd_send_signal(tracked.init_pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.close(tracked.init_pidfd)
+            tracked.init_pidfd = None
+
+    @staticmethod
+    def _reap_keeper(tracked: Tracked) -> None:
+        """Kill and reap the host process that held a namespace sandbox's init (our child)."""
+        if tracked.keeper is not None:
+            tracked.keeper.kill()
+            tracked.keeper.wait()
+        elif tracked.keeper_pid is not None:
+            try:
+                os.kill(tracked.keeper_pid, signal.SIGKILL)
+                os.waitpid(tracked.keeper_pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
     def _destroy(self, sandbox_id: str) -> bool:
         tracked = self.tracked.get(sandbox_id)
@@ -125,6 +167,8 @@ class Supervisor:
         else:
             meta = self.store.read_meta(sandbox_id)
         existed = self.store.remove(meta) if meta is not None else False
+        if tracked is not None:
+            self._reap_keeper(tracked)
         self._check_idle()
         return existed
 
@@ -140,11 +184,65 @@ class Supervisor:
         meta = self.store.read_meta(message["id"])
         if meta is None:
             raise Failure("not_found", f"sandbox {message['id']} has no metadata")
+        if meta.isolation == "namespaces":
+            tracked = Tracked(meta, None)
+            self.tracked[meta.id] = tracked
+            self._arm(tracked)
+            await self._start_namespaces(tracked, message.get("bwrap"))
+            return {"init_pid": meta.init_pid}
         netns = new_network_namespace() if not meta.network and message.get("isolate", False) else None
         tracked = Tracked(meta, netns)
         self.tracked[meta.id] = tracked
         self._arm(tracked)
         return {}
+
+    async def _start_namespaces(self, tracked: Tracked, bwrap: str | None) -> None:
+        """Start the sandbox's init, wait until it is set up, and keep a pidfd on it."""
+        meta = tracked.meta
+        uid = meta.uid if meta.uid is not None else os.geteuid()
+        gid = meta.uid if meta.uid is not None else os.getegid()
+        layout = namespaces.build_layout(
+            self.store.workdir(meta.id),
+            network=meta.network,
+            python=namespaces.interpreter(meta.uid is not None),
+            tmpfs_mb=meta.tmpfs_mb,
+        )
+        directory = self.store.sandbox_dir(meta.id)
+        if meta.tool == "bwrap":
+            if not bwrap:
+                raise Failure("fatal", "the bwrap tool was chosen but no bwrap path was given")
+            log = os.open(directory / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                tracked.keeper, report = namespaces.start_bwrap(bwrap, layout, uid, gid, log)
+            finally:
+                os.close(log)
+            keeper_pid, parse = tracked.keeper.pid, namespaces.parse_bwrap_report
+        else:
+            staging = directory / "root"
+            staging.mkdir(mode=0o700)
+            keeper_pid, report = namespaces.start_unshare(layout, staging, uid, gid)
+            tracked.keeper_pid, parse = keeper_pid, namespaces.read_unshare_report
+        info = await _read_report(report, parse)
+        if "error" in info or not info.get("ready") or "init" not in info:
+            logged = ""
+            if meta.tool == "bwrap":
+                logged = (directory / "bwrap.log").read_text(errors="replace").strip()
+            why = info.get("error") or logged or "it stopped before it was ready"
+            raise Failure("fatal", f"sandbox {meta.id} did not start with {meta.tool}: {why}")
+        init = int(info["init"])
+        tracked.init_pidfd = os.pidfd_open(init)
+        meta.init_pid, meta.init_start = init, process_start_time(init)
+        meta.keeper_pid, meta.keeper_start = keeper_pid, process_start_time(keeper_pid)
+        if meta.init_start is None or not process_alive(keeper_pid, meta.keeper_start):
+            raise Failure("fatal", f"sandbox {meta.id} stopped while it started")
+        self.store.write_meta(meta)
+        asyncio.get_running_loop().add_reader(tracked.init_pidfd, self._init_exited, meta.id)
+
+    def _init_exited(self, sandbox_id: str) -> None:
+        """A namespace sandbox's init ended without a destroy (OOM, a kill from outside): the
+        sandbox is gone, so forget it and clean up."""
+        if sandbox_id in self.tracked:
+            self._destroy(sandbox_id)
 
     async def op_extend(self, message: dict[str, Any]) -> dict[str, Any]:
         tracked = self._get(message["id"])
@@ -169,15 +267,13 @@ class Supervisor:
         background = bool(message.get("background"))
         started = time.monotonic()
         try:
-            child = Child(
-                message["argv"],
-                cwd=message["cwd"],
-                env=message["env"],
-                setup=child_setup(rlimits(limits), meta.uid, tracked.netns_fd),
-                capture=not background,
-            )
+            child = self._spawn(tracked, limits, message, capture=not background)
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:  # like a shell's 127
             return _result(127, stderr=f"{message['argv'][0]}: {exc.strerror}\n", started=started)
+        except subprocess.SubprocessError as exc:
+            if meta.id not in self.tracked:
+                raise Failure("not_found", f"sandbox {meta.id} was destroyed") from None
+            raise Failure("fatal", f"could not start a command in sandbox {meta.id}: {exc}") from None
         if background:
             child.reap_in_background()
             return {**_result(None, started=started), "pid": child.pid}
@@ -187,6 +283,33 @@ class Supervisor:
             return await child.collect(message.get("timeout"), limits.output_bytes)
         finally:
             self.running.pop(req, None)
+
+    def _spawn(self, tracked: Tracked, limits: Limits, message: dict[str, Any], *, capture: bool) -> Child:
+        meta = tracked.meta
+        if meta.isolation != "namespaces":
+            return Child(
+                message["argv"],
+                cwd=message["cwd"],
+                env=message["env"],
+                setup=child_setup(rlimits(limits), meta.uid, tracked.netns_fd),
+                capture=capture,
+            )
+        if tracked.init_pidfd is None:
+            raise Failure("not_found", f"sandbox {meta.id} is not running")
+        setup: Callable[[], None] = namespaces.entering(
+            tracked.init_pidfd,
+            root_owned=tracked.root_owned,
+            cwd=message["cwd"],
+            rlimits=rlimits(limits, processes=namespace_process_limit()),
+        )
+        return Child(
+            message["argv"],
+            cwd=None,
+            env=message["env"],
+            setup=setup,
+            capture=capture,
+            pass_fds=(tracked.init_pidfd,),
+        )
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -208,6 +331,48 @@ class Supervisor:
         for sandbox_id in list(self.tracked):
             self._destroy(sandbox_id)
         self.idle.set()
+
+
+def namespace_process_limit() -> bool:
+    """Whether ``RLIMIT_NPROC`` caps one namespace sandbox: its uid is its own (root), or the
+    kernel counts processes per user namespace."""
+    return os.geteuid() == 0 or namespaces.kernel_counts_processes_per_userns()
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _read_report(fd: int, parse: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
+    """Read a starting sandbox's report until it is ready, failed or closed (without blocking
+    the loop: other sandboxes keep running commands meanwhile)."""
+    loop = asyncio.get_running_loop()
+    data = b""
+    info = parse(data)
+    os.set_blocking(fd, False)
+    try:
+        deadline = loop.time() + START_TIMEOUT_S
+        while not info.get("ready") and "error" not in info:
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _set_done, readable)
+            try:
+                await asyncio.wait_for(readable, max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return {**info, "error": f"not ready after {START_TIMEOUT_S:g}s"}
+            finally:
+                loop.remove_reader(fd)
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            data += chunk
+            info = parse(data)
+        return info
+    finally:
+        os.close(fd)
 
 
 def _result(exit_code: int | None, *, started: float, stderr: str = "") -> dict[str, Any]:
@@ -254,6 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     root, owner_pid = Path(args[0]), int(args[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # pipes and pidfds of many sandboxes
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     asyncio.run(serve(root, owner_pid))
 
 
