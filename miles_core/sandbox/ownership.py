@@ -43,11 +43,17 @@ def process_start_time(pid: int) -> str | None:
 
 
 def process_alive(pid: int, start: str | None) -> bool:
-    """Whether ``pid`` is still the process that started at ``start``."""
-    current = process_start_time(pid)
-    if current is None:
+    """Whether ``pid`` is still the process that started at ``start`` (a zombie is not: it has
+    exited, only its parent has not collected it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
         return False
-    return start in (None, "", current)
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return False
+    return start in (None, "", fields[19].decode())
 
 
 @dataclass(frozen=True)

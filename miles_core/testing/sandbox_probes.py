@@ -474,3 +474,73 @@ async def hostile_probes(
     """Every probe (or ``names``) against ``provider``, one after the other."""
     with host_traps() as traps:
         return [await run_probe(provider, n, traps, local=local, labels=labels) for n in names or list(PROBES)]
+
+
+# -- running the owner's side as an unprivileged user -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnprivilegedPython:
+    """Runs Python code as an unprivileged ``uid`` with this process's miles importable: the
+    trainer's side of a sandbox as a user without root (for tests run as root)."""
+
+    uid: int
+    argv: tuple[str, ...]  # setpriv ... python -c
+    bootstrap: str  # puts this process's import path in place
+
+    def run(
+        self, code: str, *args: str, timeout: float = 300.0, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` (with ``args`` as ``sys.argv[1:]``) as this user; ``env`` is added to a
+        minimal environment."""
+        return subprocess.run(
+            [*self.argv, f"{self.bootstrap}\n{code}", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd="/",
+            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8", **(env or {})},
+        )
+
+    def miles(
+        self, *args: str, timeout: float = 300.0, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``miles ARGS...`` as this user."""
+        code = "import sys; sys.argv[0] = 'miles'\nfrom miles_core.cli import main\nmain()"
+        return self.run(code, *args, timeout=timeout, env=env)
+
+
+def unprivileged_python(uid: int = 65534) -> UnprivilegedPython | None:
+    """An :class:`UnprivilegedPython` for ``uid``, or None when impossible here (not root, no
+    ``setpriv``, or no interpreter that ``uid`` may run and import miles with)."""
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        return None
+    site_dirs = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    plain = [p for p in sys.path if p and os.path.isdir(p) and p not in site_dirs and "python3" not in p]
+    bootstrap = (
+        "import site, sys\n"
+        f"sys.path[:0] = {plain!r}\n"
+        f"for _d in {site_dirs!r}: site.addsitedir(_d)\n"
+    )
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = [sys.executable, os.path.realpath(sys.executable), f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    drop = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+    for python in dict.fromkeys(candidates):
+        if not os.path.exists(python):
+            continue
+        candidate = UnprivilegedPython(uid, (*drop, python, "-c"), bootstrap)
+        check = (  # the interpreter must also start itself as this user (the supervisor does)
+            "import subprocess, sys\n"
+            "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+            "import miles_core.sandbox.local.provider; print('ok')"
+        )
+        try:
+            done = candidate.run(check, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0 and done.stdout.strip() == "ok":
+            return candidate
+    return None

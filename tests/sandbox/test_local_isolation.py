@@ -1,27 +1,35 @@
-"""What the local provider isolates, checked from inside the sandboxes."""
+"""What the local provider isolates, checked from inside the sandboxes, per isolation mode."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import secrets
+import signal
 import socket
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.base import Limits, SandboxSpec
-from miles_core.sandbox.errors import SandboxError, SandboxUnsupported
-from miles_core.sandbox.local.isolation import is_root, sandbox_processes
+from miles_core.sandbox.errors import SandboxError, SandboxNotFound, SandboxUnsupported
+from miles_core.sandbox.local import namespaces
+from miles_core.sandbox.local.client import supervisor_env
+from miles_core.sandbox.local.isolation import is_root
 from miles_core.sandbox.local.provider import LocalProvider
+from miles_core.testing.sandbox_probes import _processes_with_args
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=25, suite="stage-a-cpu")
 
 
-def run(root: Path, body):  # type: ignore[no-untyped-def]
+def run(root: Path, options: dict[str, Any], body):  # type: ignore[no-untyped-def]
     async def main():  # type: ignore[no-untyped-def]
-        provider = LocalProvider(root)
+        provider = LocalProvider(root, **options)
         try:
             return await body(provider)
         finally:
@@ -32,20 +40,21 @@ def run(root: Path, body):  # type: ignore[no-untyped-def]
     return asyncio.run(main())
 
 
-def test_destroy_kills_daemons_that_left_the_process_group(sandbox_root: Path) -> None:
+def test_destroy_kills_daemons_that_left_the_process_group(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]
+    marker = str(600_000 + secrets.randbelow(100_000))
+
     async def body(provider: LocalProvider) -> None:
         ref = await provider.create(SandboxSpec())
-        await provider.exec(ref, "setsid sleep 321 >/dev/null 2>&1 & sleep 0.3; echo ok")
+        await provider.exec(ref, f"setsid env -i sleep {marker} >/dev/null 2>&1 & sleep 0.3; echo ok")
         await asyncio.sleep(0.2)
-        assert len(sandbox_processes(ref.id)) >= 1, "the escaped daemon did not start"
+        assert _processes_with_args([marker]), "the escaped daemon did not start"
         await provider.destroy(ref.id)
-        await asyncio.sleep(0.1)
-        assert sandbox_processes(ref.id) == []
+        assert _processes_with_args([marker]) == [], "a daemon survived destroy"
 
-    run(sandbox_root, body)
+    run(sandbox_root, local_options, body)
 
 
-def test_files_do_not_follow_the_sandboxes_symlinks(sandbox_root: Path) -> None:
+def test_files_do_not_follow_the_sandboxes_symlinks(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]
     async def body(provider: LocalProvider) -> None:
         ref = await provider.create(SandboxSpec())
         await provider.exec(ref, "ln -s /etc/passwd leak.txt; ln -s /etc outside")
@@ -58,12 +67,14 @@ def test_files_do_not_follow_the_sandboxes_symlinks(sandbox_root: Path) -> None:
             await provider.read_file(ref, "/etc/passwd")
         with pytest.raises(SandboxError):
             await provider.read_file(ref, "../meta.json")
+        await provider.write_file(ref, f"{ref.workdir}/absolute.txt", b"in the workdir")
+        assert (await provider.exec(ref, "cat absolute.txt")).stdout == "in the workdir"
 
-    run(sandbox_root, body)
+    run(sandbox_root, local_options, body)
 
 
 def test_environment_is_scrubbed_and_output_capped(
-    sandbox_root: Path, monkeypatch: pytest.MonkeyPatch
+    sandbox_root: Path, local_options, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     monkeypatch.setenv("MILES_PLANTED_HOST_VAR", "host-only")
 
@@ -74,24 +85,38 @@ def test_environment_is_scrubbed_and_output_capped(
         big = await provider.exec(ref, "head -c 5000 /dev/zero | tr '\\0' x")
         assert big.truncated and len(big.stdout) == 1000
 
-    run(sandbox_root, body)
+    run(sandbox_root, local_options, body)
 
 
-@pytest.mark.skipif(not is_root(), reason="per-sandbox uids need root")
-def test_sandboxes_have_private_uids(sandbox_root: Path) -> None:
+def test_the_supervisor_starts_with_an_allow_listed_environment(
+    sandbox_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "planted-wandb-key")
+    monkeypatch.setenv("E2B_API_KEY", "e2b_planted")
+
     async def body(provider: LocalProvider) -> None:
-        first, second = await provider.create(SandboxSpec()), await provider.create(SandboxSpec())
-        await provider.write_file(first, "private.txt", "mine")
-        uid_a = (await provider.exec(first, "id -u")).stdout
-        uid_b = (await provider.exec(second, "id -u")).stdout
-        assert uid_a != uid_b and int(uid_a) != 0
-        peek = await provider.exec(second, ["cat", f"{first.workdir}/private.txt"])
-        assert peek.exit_code != 0 and "Permission denied" in peek.stderr
+        await provider.create(SandboxSpec())
+        environ = Path(f"/proc/{(await provider._client()).pid}/environ").read_bytes()
+        names = {item.split(b"=", 1)[0].decode() for item in environ.split(b"\0") if item}
+        assert names == set(supervisor_env()), names
+        assert b"planted" not in environ
 
-    run(sandbox_root, body)
+    run(sandbox_root, {}, body)
 
 
-def test_network_isolation_and_expose(sandbox_root: Path) -> None:
+def test_python_is_the_callers_or_the_hosts(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]
+    async def body(provider: LocalProvider) -> None:
+        described = provider.describe()["interpreters"]
+        assert described is not None, "this host has no python3 for sandboxes"
+        ref = await provider.create(SandboxSpec())
+        for name in ("python", "python3"):
+            result = await provider.exec(ref, [name, "-c", "import platform; print(platform.python_version())"])
+            assert result.ok and result.stdout.strip() == described["version"], result
+
+    run(sandbox_root, local_options, body)
+
+
+def test_network_isolation_and_expose(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]
     async def body(provider: LocalProvider) -> None:
         if not provider.capabilities.network_isolation:
             pytest.skip("this host does not permit network namespaces")
@@ -133,4 +158,102 @@ def test_network_isolation_and_expose(sandbox_root: Path) -> None:
                 await asyncio.sleep(0.1)
         assert body_text == b"hello from the sandbox"
 
-    run(sandbox_root, body)
+    run(sandbox_root, local_options, body)
+
+
+@pytest.mark.skipif(not is_root(), reason="per-sandbox uids need root")
+def test_process_sandboxes_have_private_uids(sandbox_root: Path) -> None:
+    async def body(provider: LocalProvider) -> None:
+        first, second = await provider.create(SandboxSpec()), await provider.create(SandboxSpec())
+        await provider.write_file(first, "private.txt", "mine")
+        uid_a = (await provider.exec(first, "id -u")).stdout
+        uid_b = (await provider.exec(second, "id -u")).stdout
+        assert uid_a != uid_b and int(uid_a) != 0
+        peek = await provider.exec(second, ["cat", f"{first.workdir}/private.txt"])
+        assert peek.exit_code != 0 and "Permission denied" in peek.stderr
+
+    run(sandbox_root, {"isolation": "process"}, body)
+
+
+# -- namespaces ---------------------------------------------------------------------------------------
+
+INSIDE = """
+echo "uid=$(id -u) host=$(hostname) procs=$(ls -d /proc/[0-9]* | wc -l)"
+grep -E '^(CapEff|CapBnd|NoNewPrivs):' /proc/self/status
+touch /x 2>/dev/null && echo root-writable
+touch /usr/x 2>/dev/null && echo usr-writable
+echo hi > /tmp/t && echo hi > /dev/shm/t && echo hi > /var/tmp/t && echo hi > work.txt && echo private-writable
+test -e {host_root} && echo host-root-visible
+test -e /etc/machine-id && echo machine-id-visible
+test -e /root/.bashrc && echo root-home-visible
+cut -d: -f1 /etc/passwd | tr '\\n' ' '; echo
+cat /dev/null && echo dev-null-works
+"""
+
+
+def test_a_namespace_sandbox_sees_only_itself(sandbox_root: Path, namespace_options) -> None:  # type: ignore[no-untyped-def]
+    async def body(provider: LocalProvider) -> None:
+        ref = await provider.create(SandboxSpec())
+        result = await provider.exec(ref, INSIDE.format(host_root=sandbox_root))
+        out = result.stdout
+        assert ref.workdir == namespaces.WORKDIR
+        assert "uid=1000 host=sandbox" in out, out
+        assert int(out.split("procs=")[1].split()[0]) <= 6, out  # init, its sleep, this shell, ls
+        assert "CapEff:\t0000000000000000" in out and "NoNewPrivs:\t1" in out, out
+        assert "CapBnd:\t0000000000000000" in out, out
+        for leak in ("root-writable", "usr-writable", "host-root-visible", "machine-id-visible", "root-home-visible"):
+            assert leak not in out, f"{leak}: {out}"
+        assert "private-writable" in out and "dev-null-works" in out, (out, result.stderr)
+        assert "root sandbox nobody" in out, out
+        assert (await provider.read_file(ref, "work.txt")) == b"hi\n"
+
+    run(sandbox_root, namespace_options, body)
+
+
+@pytest.mark.skipif(not is_root(), reason="per-sandbox host uids need root")
+def test_namespace_sandboxes_run_as_host_uids_of_their_own(sandbox_root: Path, namespace_options) -> None:  # type: ignore[no-untyped-def]
+    async def body(provider: LocalProvider) -> None:
+        boxes = [await provider.create(SandboxSpec()) for _ in range(2)]
+        host_uids = []
+        for ref in boxes:
+            meta = provider.store.read_meta(ref.id)
+            assert meta is not None and meta.init_pid is not None and meta.uid is not None
+            await provider.exec(ref, ["sleep", "30"], background=True)
+            status = Path(f"/proc/{meta.init_pid}/status").read_text()
+            real = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+            assert real == meta.uid
+            host_uids.append(real)
+        assert len(set(host_uids)) == 2 and 0 not in host_uids
+
+    run(sandbox_root, namespace_options, body)
+
+
+def test_a_sandbox_whose_init_dies_is_gone(sandbox_root: Path, namespace_options) -> None:  # type: ignore[no-untyped-def]
+    async def body(provider: LocalProvider) -> None:
+        ref = await provider.create(SandboxSpec())
+        meta = provider.store.read_meta(ref.id)
+        assert meta is not None and meta.init_pid is not None
+        os.kill(meta.init_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while await provider.list({}):
+            assert time.monotonic() < deadline, "the sandbox outlived its init"
+            await asyncio.sleep(0.05)
+        with pytest.raises(SandboxNotFound):
+            await provider.exec(ref, "true")
+
+    run(sandbox_root, namespace_options, body)
+
+
+def test_namespaces_where_the_host_cannot_is_a_clear_error(
+    sandbox_root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    unavailable = namespaces.Support(False, None, "unshare: EPERM (user namespaces are disabled)")
+    monkeypatch.setattr(namespaces, "support", lambda tool="auto": unavailable)
+    with pytest.raises(SandboxUnsupported, match=r"isolation='namespaces' is not available.*user namespaces are disabled"):
+        LocalProvider(sandbox_root, isolation="namespaces")
+    with caplog.at_level(logging.WARNING, logger="miles_core.sandbox.local.provider"):
+        fallback = LocalProvider(sandbox_root)
+    assert fallback.isolation == "process" and "fall back to isolation='process'" in caplog.text
+    assert fallback.describe()["namespaces"]["detail"] == unavailable.detail
+    with pytest.raises(SandboxUnsupported, match="isolation 'vm'"):
+        LocalProvider(sandbox_root, isolation="vm")  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """SIGKILL of the owning process: beats stop, and the local provider's TTL reclaims its
-sandboxes -- directories, uids and every process started in them."""
+sandboxes -- directories, uid claims and every process started in them -- in each isolation mode."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.local.isolation import sandbox_processes
 from miles_core.sandbox.local.store import Store
+from miles_core.sandbox.ownership import process_alive
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=20, suite="stage-a-cpu")
 
 TTL = 2.0
 OWNER = textwrap.dedent(
@@ -27,7 +28,7 @@ OWNER = textwrap.dedent(
     from miles_core.sandbox.local.provider import LocalProvider
 
     async def main():
-        provider = LocalProvider(sys.argv[1])
+        provider = LocalProvider(sys.argv[1], **json.loads(sys.argv[3]))
         manager = SandboxManager(provider)
         boxes = [await manager.create(SandboxSpec(ttl_s=float(sys.argv[2]))) for _ in range(3)]
         for box in boxes:
@@ -55,9 +56,11 @@ def _pids_of_uid(uid: int) -> list[int]:
     return found
 
 
-def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
+def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(sandbox_root), str(TTL)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER, str(sandbox_root), str(TTL), json.dumps(local_options)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         started = json.loads(owner.stdout.readline())  # type: ignore[union-attr]
@@ -80,7 +83,8 @@ def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
         for meta in metas.values():
             if meta.uid is not None:
                 assert _pids_of_uid(meta.uid) == [], f"uid {meta.uid} of {meta.id} still has processes"
-        assert list(store.uids.iterdir()) == []
+        if store.registry is not None:
+            assert store.registry.claims(store.root) == []
         deadline = time.monotonic() + 10
         while Path(f"/proc/{started['supervisor']}").exists():  # it exits once idle
             assert time.monotonic() < deadline, "the supervisor did not exit after reclaiming"
@@ -88,3 +92,42 @@ def test_ttl_reclaims_after_owner_sigkill(sandbox_root: Path) -> None:
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+def test_namespace_sandboxes_end_with_their_supervisor(sandbox_root: Path, namespace_options) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL of the supervisor itself (no TTL keeper left): every namespace sandbox ends at once,
+    and the next supervisor removes what is left on disk."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(sandbox_root), "600", json.dumps(namespace_options)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        started = json.loads(owner.stdout.readline())  # type: ignore[union-attr]
+        store = Store(sandbox_root)
+        inits = [(m.init_pid, m.init_start) for m in store.metas()]
+        assert len(inits) == 3 and all(process_alive(p, s) for p, s in inits if p)
+        os.kill(started["supervisor"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(process_alive(p, s) for p, s in inits if p) or any(sandbox_processes(i) for i in started["ids"]):
+            assert time.monotonic() < deadline, "namespace sandboxes outlived their supervisor"
+            time.sleep(0.05)
+    finally:
+        owner.kill()
+        owner.wait()
+    from miles_core.sandbox.local.provider import LocalProvider
+
+    async def sweep_on_start() -> None:  # a new supervisor reaps sandboxes whose supervisor died
+        provider = LocalProvider(sandbox_root, **namespace_options)
+        try:
+            await provider._client()
+        finally:
+            await provider.aclose()
+
+    import asyncio
+
+    for meta in store.metas():
+        meta.expires_at = 0.0  # reaped at start: past their deadline, supervisor gone
+        store.write_meta(meta)
+    asyncio.run(sweep_on_start())
+    assert store.metas() == [] and list((sandbox_root / "sandboxes").iterdir()) == []

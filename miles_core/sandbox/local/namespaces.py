@@ -422,6 +422,13 @@ def _reset_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+def _die_with(parent: int) -> None:
+    """Get SIGKILL when ``parent`` dies -- or now, if it already has."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _exec_reaper(sh: str) -> None:
     os.execve(sh, ["sh", "-c", REAPER], {"PATH": SANDBOX_PATH})
 
@@ -435,9 +442,7 @@ class Started:
     keeper: subprocess.Popen[bytes] | None = None  # bwrap's outer process
 
 
-def unshare_child(
-    layout: Layout, staging: str, uid: int, gid: int, report: int, parent: int, sh: str, sleep: str
-) -> None:
+def unshare_child(layout: Layout, staging: str, uid: int, gid: int, report: int, parent: int, sh: str) -> None:
     """The forked child of :func:`start_unshare` (never returns).
 
     As root, every namespace but the user one is created owned by the host's user namespace
@@ -446,9 +451,7 @@ def unshare_child(
     """
     try:
         _reset_signals()
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os._exit(1)
+        _die_with(parent)
         root = os.geteuid() == 0
         others = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
         if not layout.network:
@@ -467,10 +470,11 @@ def unshare_child(
             os.setgroups([])
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
+            _die_with(parent)  # changing credentials cleared the parent-death signal
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _devnull_stdio()
         _close_fds_except(())
-        os.execve(sleep, ["sleep", "infinity"], {})
+        _wait_and_exit_like(init)  # reap the init when it ends, so no zombie outlives the sandbox
     except BaseException as exc:  # reported to the supervisor, which raises it
         try:
             os.write(report, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
@@ -482,7 +486,8 @@ def _unshare_init(
     layout: Layout, staging: str, uid: int, gid: int, report: int, sh: str, root_owned: bool
 ) -> None:
     try:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        keeper = os.getppid()
+        _die_with(keeper)
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         _mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
         _build_root(layout, staging)
@@ -498,6 +503,7 @@ def _unshare_init(
             os.setgroups([])
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
+            _die_with(keeper)  # changing credentials cleared the parent-death signal
             _prctl(PR_SET_DUMPABLE, 1)  # /proc/self/*_map stay writable by the new uid
             _check(_LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
             _map_self(uid, gid)
@@ -527,13 +533,13 @@ def start_unshare(layout: Layout, staging: Path, uid: int, gid: int) -> tuple[in
     The supervisor reads JSON lines from the fd until EOF (:func:`read_report`): ``init`` (the
     init's host pid), then ``ready`` or ``error``.
     """
-    sh, sleep = tool_path("sh"), tool_path("sleep")
+    sh = tool_path("sh")
     read, write = os.pipe()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read)
-        unshare_child(layout, str(staging), uid, gid, write, parent, sh, sleep)
+        unshare_child(layout, str(staging), uid, gid, write, parent, sh)
     os.close(write)
     return pid, read
 
@@ -801,7 +807,7 @@ def _probe_main(tool: str) -> int:
         parse = parse_bwrap_report if tool == "bwrap" else read_unshare_report
         info = parse(data)
         deadline = time.monotonic() + SUPPORT_TIMEOUT_S / 2
-        while not info.get("ready") and "error" not in info and time.monotonic() < deadline:
+        while not report_complete(info) and time.monotonic() < deadline:
             chunk = os.read(report, 4096)
             if not chunk:
                 break
@@ -835,6 +841,12 @@ def _probe_main(tool: str) -> int:
             else:
                 os.kill(keeper, signal.SIGKILL)
                 os.waitpid(keeper, 0)
+
+
+def report_complete(info: dict[str, Any]) -> bool:
+    """A starting sandbox's report says all it will: it failed, or it is ready and named its init
+    (the keeper and the init write independently: either line may come first)."""
+    return "error" in info or (bool(info.get("ready")) and "init" in info)
 
 
 def _parse_lines(data: bytes) -> dict[str, Any]:

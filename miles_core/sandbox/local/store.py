@@ -133,13 +133,14 @@ class Store:
         """Kill every process of the sandbox, then delete it. Idempotent; True if it existed.
 
         Call from the supervisor (killing a uid's processes forks)."""
-        if meta.init_pid is not None:
-            kill_and_wait(meta.init_pid, meta.init_start)  # the kernel ends its pid namespace
-        if meta.keeper_pid is not None:
-            kill_and_wait(meta.keeper_pid, meta.keeper_start)
-        if meta.uid is not None:
+        if meta.isolation == "namespaces":
+            # the kernel ends the pid namespace with its init; the keeper then exits by itself
+            # (its supervisor reaps it)
+            if meta.init_pid is not None:
+                kill_and_wait(meta.init_pid, meta.init_start)
+        elif meta.uid is not None:
             kill_uid(meta.uid)
-        elif meta.isolation == "process":
+        else:
             kill_sandbox_processes(meta.id)
         directory = self.sandbox_dir(meta.id)
         try:

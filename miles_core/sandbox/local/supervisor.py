@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
@@ -47,6 +48,8 @@ from miles_core.sandbox.ownership import process_alive, process_start_time
 OWNER_POLL_S = 1.0
 #: how long a namespace sandbox may take to start
 START_TIMEOUT_S = 30.0
+#: how long a keeper may take to exit after its sandbox's init ended
+KEEPER_EXIT_S = 5.0
 
 
 @dataclass
@@ -148,16 +151,28 @@ class Supervisor:
 
     @staticmethod
     def _reap_keeper(tracked: Tracked) -> None:
-        """Kill and reap the host process that held a namespace sandbox's init (our child)."""
+        """Reap the host process that held a namespace sandbox's init (our child). It exits by
+        itself once it has reaped the dead init -- killing it first would leave the init a
+        zombie for the host's init to reap -- and is killed only if it does not."""
         if tracked.keeper is not None:
-            tracked.keeper.kill()
-            tracked.keeper.wait()
+            try:
+                tracked.keeper.wait(timeout=KEEPER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                tracked.keeper.kill()
+                tracked.keeper.wait()
         elif tracked.keeper_pid is not None:
             try:
-                os.kill(tracked.keeper_pid, signal.SIGKILL)
+                pidfd = os.pidfd_open(tracked.keeper_pid)
+            except ProcessLookupError:
+                return
+            try:
+                if not select.select([pidfd], [], [], KEEPER_EXIT_S)[0]:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.waitpid(tracked.keeper_pid, 0)
-            except (ProcessLookupError, ChildProcessError):
+            except ChildProcessError:
                 pass
+            finally:
+                os.close(pidfd)
 
     def _destroy(self, sandbox_id: str) -> bool:
         tracked = self.tracked.get(sandbox_id)
@@ -353,7 +368,7 @@ async def _read_report(fd: int, parse: Callable[[bytes], dict[str, Any]]) -> dic
     os.set_blocking(fd, False)
     try:
         deadline = loop.time() + START_TIMEOUT_S
-        while not info.get("ready") and "error" not in info:
+        while not namespaces.report_complete(info):
             readable: asyncio.Future[None] = loop.create_future()
             loop.add_reader(fd, _set_done, readable)
             try:

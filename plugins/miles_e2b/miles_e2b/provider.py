@@ -59,6 +59,20 @@ CAPABILITIES = Capabilities(
     background_exec=True,
     limits=frozenset({"cpu_seconds", "memory_mb", "file_size_mb", "open_files"}),
     users=None,
+    # a microVM per sandbox: nothing of the trainer's host is inside it (no process limit is
+    # enforced, so the fork-loop probe is not claimed)
+    isolates=frozenset(
+        {
+            "environ",
+            "signal",
+            "other_sandbox",
+            "escape_destroy",
+            "leftover_files",
+            "network",
+            "host_processes",
+            "host_files",
+        }
+    ),
 )
 
 

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 class TestLiveE2B(ProviderConformance):
     base_image = "e2bdev/base"
     ttl_test_s = 5.0
+    runs_on_this_host = False  # microVMs elsewhere: the probes cannot watch their processes
 
     @pytest.fixture
     def provider_factory(self) -> ProviderFactory:
