@@ -2,12 +2,17 @@
 concurrent sandboxes. Prints one JSON line.
 
 * ``ratio``: median sandbox exec / median bare run of a reward-sized command (a short Python
-  program, what rewards that execute model output run); target <= 2.0.
+  program, what rewards that execute model output run), in the isolation mode measured
+  (default: namespaces, with the tool the provider picks); target <= 2.0.
 * ``trivial``: the same for ``true``, whose runtime is ~0: its ``overhead_ms`` is the fixed
-  cost per exec (supervisor round trip, fork with limits/namespace/uid in the child).
+  cost per exec (supervisor round trip; a fork that joins the sandbox's namespaces through a
+  pidfd, sets limits, drops privileges and forks once more into its pid namespace).
 * ``concurrent``: 64 sandboxes created, each running the command at once, then destroyed.
 
-Usage: ``python benchmarks/sandbox_exec.py [--runs N] [--sandboxes 64]``
+Both sides run the same binary by absolute path, interleaved run by run.
+
+Usage: ``python benchmarks/sandbox_exec.py [--runs N] [--sandboxes 64] [-o KEY=VALUE ...]``
+(``-o isolation=process``, ``-o namespace_tool=unshare``: provider options)
 """
 
 from __future__ import annotations
@@ -89,8 +94,8 @@ async def concurrent(manager: SandboxManager, count: int) -> dict[str, object]:
     }
 
 
-async def main(runs: int, sandboxes: int, root: Path) -> dict[str, object]:
-    provider = LocalProvider(root)
+async def main(runs: int, sandboxes: int, root: Path, options: dict[str, str]) -> dict[str, object]:
+    provider = LocalProvider(root, **options)  # type: ignore[arg-type]
     try:
         async with SandboxManager(provider, max_concurrent_creates=16) as manager:
             box = await manager.create(SandboxSpec(ttl_s=300))
@@ -106,6 +111,8 @@ async def main(runs: int, sandboxes: int, root: Path) -> dict[str, object]:
         "ratio": reward["ratio"],
         "target": 2.0,
         **{k: v for k, v in reward.items() if k != "ratio"},
+        "isolation": provider.isolation,
+        "tool": provider.tool,
         "network_isolation": provider.capabilities.network_isolation,
         "trivial": {"command": "true", **trivial},
         "concurrent": many,
@@ -117,10 +124,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--sandboxes", type=int, default=64)
+    parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    options = dict(item.split("=", 1) for item in args.options)
     scratch = Path(tempfile.mkdtemp(prefix="miles-bench-"))
     os.chmod(scratch, 0o711)
     try:
-        print(json.dumps(asyncio.run(main(args.runs, args.sandboxes, scratch / "state"))))
+        print(json.dumps(asyncio.run(main(args.runs, args.sandboxes, scratch / "state", options))))
     finally:
         remove_tree(scratch)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from miles_core.errors import ConfigError
+from miles_core.sandbox.config import ProviderOptions, check_provider_options
 
 if TYPE_CHECKING:
     from miles_core.plugins import MilesPluginManager
@@ -78,10 +79,30 @@ class RolloutSection(_Section):
 
 
 class RewardSection(_Section):
-    """Where rewards that execute model output run."""
+    """Where rewards that execute model output run, and the agentic rollout's tool sandboxes."""
 
     sandbox_provider: str = Field("local", description="sandbox provider for sandboxed rewards")
+    sandbox_options: ProviderOptions = Field(
+        default_factory=dict,
+        description="options of sandbox_provider (see `miles sandbox providers`); secrets by reference: env:NAME, file:/path",
+    )
+    tool_sandbox_provider: str | None = Field(
+        None, description="sandbox provider of the agentic rollout's tools (default: sandbox_provider)"
+    )
+    tool_sandbox_options: ProviderOptions | None = Field(
+        None, description="options of the tool sandboxes (default: sandbox_options when the provider is the same)"
+    )
     timeout_s: float = Field(60.0, gt=0, description="time limit of one batched sandbox check")
+
+    @model_validator(mode="after")
+    def _sandbox_options_valid(self) -> RewardSection:
+        """Options are checked against the installed provider now, not when the run starts."""
+        if self.sandbox_options or self.sandbox_provider != "local":
+            check_provider_options(self.sandbox_provider, self.sandbox_options, where="reward.sandbox_options")
+        if self.tool_sandbox_provider is not None or self.tool_sandbox_options is not None:
+            provider = self.tool_sandbox_provider or self.sandbox_provider
+            check_provider_options(provider, self.tool_sandbox_options or {}, where="reward.tool_sandbox_options")
+        return self
 
 
 class AlgorithmSection(_Section):

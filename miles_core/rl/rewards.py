@@ -28,7 +28,9 @@ class RewardRunner:
         self._sandbox: WarmSandbox | None = None
         if isinstance(reward, SandboxReward):
             self.where = f"sandbox_{settings.sandbox_provider}"
-            self._sandbox = WarmSandbox(pm, settings.sandbox_provider, "reward", aio, settings.timeout_s)
+            self._sandbox = WarmSandbox(
+                pm, settings.sandbox_provider, "reward", aio, settings.timeout_s, settings.sandbox_options
+            )
             aio.run(self._install(reward))
         else:
             self.where = "inprocess"

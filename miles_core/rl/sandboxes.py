@@ -3,37 +3,67 @@
 Rewards and agent tools that execute model output share this pattern: the program is written
 into the sandbox once; each call writes its input to a fresh file and runs ``python3 PROGRAM
 INPUT``. Calls may overlap (each has its own input file). Lives on the run's event loop.
+
+The provider is created with the options of ``[reward]`` (``sandbox_options``, or
+``tool_sandbox_options`` for the agentic rollout's tools: :func:`tool_sandbox_settings`),
+validated when the config was built.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from miles_core.rl.aio import BackgroundLoop
+
+if TYPE_CHECKING:
+    from miles_core.rl.config import RewardSection
 
 
 class SandboxCallError(RuntimeError):
     pass
 
 
+def tool_sandbox_settings(reward: RewardSection) -> tuple[str, dict[str, Any]]:
+    """Provider and options of the agentic rollout's tool sandboxes: ``tool_sandbox_*`` where
+    set, else the reward's (its options only when the provider is the same)."""
+    provider = reward.tool_sandbox_provider or reward.sandbox_provider
+    if reward.tool_sandbox_options is not None:
+        return provider, dict(reward.tool_sandbox_options)
+    return provider, dict(reward.sandbox_options) if provider == reward.sandbox_provider else {}
+
+
 class WarmSandbox:
-    def __init__(self, pm: Any, provider: str, role: str, aio: BackgroundLoop, timeout_s: float) -> None:
+    def __init__(
+        self,
+        pm: Any,
+        provider: str,
+        role: str,
+        aio: BackgroundLoop,
+        timeout_s: float,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.provider_name = provider
         self.aio = aio
         self.timeout_s = timeout_s
         self._programs: set[str] = set()
-        self._manager, self._sandbox = aio.run(self._start(pm, role))
+        self._manager, self._sandbox = aio.run(self._start(pm, role, dict(options or {})))
 
-    async def _start(self, pm: Any, role: str) -> tuple[Any, Any]:
+    async def _start(self, pm: Any, role: str, options: dict[str, Any]) -> tuple[Any, Any]:
         from miles_core.sandbox.base import SandboxSpec
         from miles_core.sandbox.lifecycle import SandboxManager
 
         contribution = pm.contribution("sandbox", self.provider_name)
         pm.verify(contribution, contribution.obj.verify)
-        manager = SandboxManager(contribution.obj.create())
-        sandbox = await manager.create(SandboxSpec(labels={"miles.role": role}))
+        provider = contribution.obj.create(options)
+        manager = SandboxManager(provider)
+        try:
+            sandbox = await manager.create(SandboxSpec(labels={"miles.role": role}))
+        except BaseException:
+            await _close(manager)
+            raise
         return manager, sandbox
 
     async def install(self, name: str, program: str) -> None:

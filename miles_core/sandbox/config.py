@@ -1,14 +1,18 @@
-"""Provider configuration from a TOML/JSON file plus ``KEY=VALUE`` overrides (the CLI's input)."""
+"""Provider configuration: a TOML/JSON file plus ``KEY=VALUE`` overrides (the CLI's input), and
+the validation of provider options held in other configs (``miles train``'s ``[reward]``)."""
 
 from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> dict[str, Any]:
@@ -40,3 +44,22 @@ def _read(path: Path) -> dict[str, Any]:
             f"config file {path}: expected a table of provider options, got {type(data).__name__}"
         )
     return data
+
+
+#: provider options as a config file holds them (what ``[reward.sandbox_options]`` takes)
+ProviderOptions = dict[str, str | int | float | bool]
+
+
+def check_provider_options(
+    provider: str, options: Mapping[str, Any], *, where: str, pm: MilesPluginManager | None = None
+) -> None:
+    """Validate ``options`` against the installed provider named ``provider`` without creating
+    it (no SDK import, no network): unknown keys, malformed values, secrets given by value.
+    Raises :class:`ConfigError` prefixed with ``where`` (the config field)."""
+    from miles_core.plugins import get_plugin_manager
+
+    try:
+        spec = (pm or get_plugin_manager()).contribution("sandbox", provider).obj
+        spec.check_config(dict(options))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None

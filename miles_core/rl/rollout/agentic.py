@@ -20,7 +20,7 @@ from miles_core.rl.aio import BackgroundLoop
 from miles_core.rl.config import RolloutSection, TrainConfig
 from miles_core.rl.rollout.base import RolloutContext, Tokenizer
 from miles_core.rl.rollout.types import Trajectory, sample_seed
-from miles_core.rl.sandboxes import SandboxCallError, WarmSandbox
+from miles_core.rl.sandboxes import SandboxCallError, WarmSandbox, tool_sandbox_settings
 from miles_core.rl.tasks import Prompt, SandboxTool
 
 if TYPE_CHECKING:
@@ -193,7 +193,8 @@ def tool_sandbox(config: TrainConfig, pm: MilesPluginManager, aio: BackgroundLoo
     """A warm sandbox with every tool's program installed (``None`` when there are no tools)."""
     if not tools:
         return None
-    sandbox = WarmSandbox(pm, config.reward.sandbox_provider, "tools", aio, config.reward.timeout_s)
+    provider, options = tool_sandbox_settings(config.reward)
+    sandbox = WarmSandbox(pm, provider, "tools", aio, config.reward.timeout_s, options)
     for tool in tools:
         aio.run(sandbox.install(f"tool_{tool.name}.py", tool.program))
     return sandbox

@@ -125,8 +125,12 @@ class E2BConfig:
         return cls(**values)
 
     def api_params(self, key: Secret) -> dict[str, Any]:
-        """Keyword arguments for every SDK call: the endpoints, explicitly, and the key."""
-        params: dict[str, Any] = {"api_key": key.reveal(), "domain": self.domain}
+        """Keyword arguments for every SDK call: the endpoints, explicitly, and the key.
+
+        ``retries=0``: the SDK's own retries of 429/502/503/504 are off, so the lifecycle
+        layer's retry policy is the one budget (with the SDK's three inside each of miles' six
+        attempts, one throttled create made 24 requests)."""
+        params: dict[str, Any] = {"api_key": key.reveal(), "domain": self.domain, "retries": 0}
         if self.api_url is not None:
             params["api_url"] = self.api_url
         if self.sandbox_url is not None:

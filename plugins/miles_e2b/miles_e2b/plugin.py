@@ -23,6 +23,13 @@ class E2BProviderSpec(SandboxProviderSpec):
     default_base = "e2bdev/base"
     options: ClassVar[dict[str, str]] = OPTIONS
 
+    def check_config(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Every option validated (endpoints, domain, preset, the key *reference*) without the SDK."""
+        from miles_e2b.config import E2BConfig
+
+        E2BConfig.from_options(config)
+        return dict(config or {})
+
     def create(self, config: Mapping[str, Any] | None = None) -> SandboxProvider:
         from miles_e2b.config import E2BConfig
         from miles_e2b.provider import E2BProvider

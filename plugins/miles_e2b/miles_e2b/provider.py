@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from miles_core.sandbox.base import (
     LABEL_CREATE,
@@ -76,6 +76,15 @@ CAPABILITIES = Capabilities(
 )
 
 
+def raise_unchained(error: SandboxError) -> NoReturn:
+    """Raise ``error`` outside the handler of the SDK exception it was made from: an SDK error
+    may carry the API key (in its message, or its traceback's frames), and ``raise ... from
+    None`` would still keep it as ``__context__``."""
+    error.__cause__ = None
+    error.__context__ = None
+    raise error
+
+
 def ulimit_prefix(limits: Limits) -> str:
     """bash ``ulimit`` line enforcing ``limits`` (-v in KiB, -f in 1 KiB blocks in bash)."""
     return (
@@ -119,7 +128,8 @@ class E2BProvider:
         except (asyncio.CancelledError, SandboxError):
             raise
         except Exception as exc:
-            raise surface.to_sandbox_error(exc, self.sdk, what) from None
+            error = surface.to_sandbox_error(exc, self.sdk, what)
+        raise_unchained(error)
 
     def _path(self, path: str) -> str:
         return path if path.startswith("/") else posixpath.join(self.config.workdir, path)
@@ -203,7 +213,15 @@ class E2BProvider:
 
     async def list(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         query = self.sdk.SandboxQuery(metadata=dict(labels))
-        paginator = self.sdk.AsyncSandbox.list(query=query, limit=LIST_PAGE, **self._api)
+        try:
+            paginator = self.sdk.AsyncSandbox.list(query=query, limit=LIST_PAGE, **self._api)
+        except Exception as exc:
+            error = surface.to_sandbox_error(exc, self.sdk, "list")
+        else:
+            return await self._pages(paginator)
+        raise_unchained(error)
+
+    async def _pages(self, paginator: Any) -> list[SandboxInfo]:
         found: list[SandboxInfo] = []
         while paginator.has_next:
             for info in await self._call("list", paginator.next_items()):
@@ -259,8 +277,10 @@ class E2BProvider:
                 log.warning("could not kill a cancelled command in %s: %s", ref.id, kill_error)
             raise
         except Exception as exc:
-            raise surface.to_sandbox_error(exc, self.sdk, f"exec in {ref.id}") from None
-        return self._result(live, result.exit_code, result.stdout, result.stderr, started)
+            error = surface.to_sandbox_error(exc, self.sdk, f"exec in {ref.id}")
+        else:
+            return self._result(live, result.exit_code, result.stdout, result.stderr, started)
+        raise_unchained(error)
 
     async def _kill(self, handle: Any, waiting: asyncio.Future[Any]) -> None:
         """Kill a command we stopped waiting for; its wait then ends with the kill."""

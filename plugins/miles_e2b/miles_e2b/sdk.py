@@ -30,7 +30,7 @@ PROVIDER = "e2b"
 MIN_VERSION = (2, 63)
 
 #: connection keywords passed to every call in :data:`WITH_API_PARAMS` (``E2BConfig.api_params``)
-API_PARAMS = ("api_key", "domain", "api_url", "sandbox_url", "request_timeout")
+API_PARAMS = ("api_key", "domain", "api_url", "sandbox_url", "request_timeout", "retries")
 #: call -> parameter names the provider passes (positionally or by keyword)
 SDK_CALLS: dict[str, tuple[str, ...]] = {
     "AsyncSandbox.create": (

@@ -28,7 +28,7 @@ def test_cloud_is_the_default() -> None:
         SecretRef.env("E2B_API_KEY"),
     )
     params = config.api_params(Secret("k" * 10, "test"))
-    assert params == {"api_key": "k" * 10, "domain": "e2b.app"}
+    assert params == {"api_key": "k" * 10, "domain": "e2b.app", "retries": 0}  # one retry budget: miles'
 
 
 def test_agentenv_preset_fills_sandbox_url_and_http() -> None:
