@@ -28,6 +28,8 @@ class LocalProviderSpec(SandboxProviderSpec):
         "isolation": "namespaces or process; default: namespaces where the host supports them",
         "namespace_tool": "auto (bwrap if installed and working, else unshare), bwrap or unshare",
         "tmpfs_mb": "size of each private /tmp, /var/tmp and /dev/shm in MB (namespaces; default 256)",
+        "cgroup": "namespaces: cgroup v2 parent for per-sandbox limits: a path, none, or auto (default: "
+        "$MILES_SANDBOX_CGROUP, else as root the v2 root's miles-sandbox; else rlimits)",
         "isolate_network": "process isolation: true/false; default: when the host permits network namespaces",
         "step_timeout_s": "seconds one image build step may run (default 1800)",
     }

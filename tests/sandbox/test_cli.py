@@ -17,7 +17,7 @@ from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.sandbox.ownership import Owner
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 
 @pytest.fixture
@@ -40,8 +40,29 @@ def test_providers_json_reports_the_verified_local_provider(cli) -> None:  # typ
     data = json.loads(out)
     local = {p["name"]: p for p in data["providers"]}["local"]
     assert code == 0 and local["status"] == "ok" and local["plugin"] == "core-sandbox"
-    assert local["facts"]["limits_seen_inside"]["open_files"] == 123
-    assert "root" in local["options"]
+    facts = local["facts"]
+    assert facts["limits_seen_inside"]["open_files"] == 123
+    assert {"root", "isolation", "namespace_tool"} <= set(local["options"])
+    assert facts["isolation"] in ("namespaces", "process") and "limits_by" in facts
+    if facts["isolation"] == "namespaces":  # says which tool, and checked it from inside
+        assert facts["tool"] in ("bwrap", "unshare") and facts["tool_detail"]
+        assert facts["seen_inside"]["NoNewPrivs"] == "1"
+    code, out, _ = cli("sandbox", "providers")
+    assert code == 0 and f"isolation: {facts['isolation']}" in out and "python:" in out
+
+
+def test_run_has_python_on_the_path(cli) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = cli("sandbox", "run", "--", "python", "-c", "print(1)")
+    assert (code, out) == (0, "1\n"), err
+
+
+def test_probe_reports_every_hostile_probe(cli) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = cli("sandbox", "probe", "--json", "--probe", "environ", "--probe", "host_files")
+    report = json.loads(out)
+    assert code == 0 and [p["name"] for p in report["probes"]] == ["environ", "host_files"]
+    assert report["claimed_escaped"] == 0
+    code, _, err = cli("sandbox", "probe", "--probe", "nosuch")
+    assert code == 2 and "unknown probe(s) nosuch" in err
 
 
 def test_run_prints_the_command_result_and_exits_with_its_code(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -73,6 +94,8 @@ def test_run_prints_the_command_result_and_exits_with_its_code(cli, tmp_path: Pa
     [
         (["-o", "nosuch=1"], "unknown option(s) nosuch"),
         (["-o", "isolate_network=maybe"], "isolate_network: expected true or false"),
+        (["-o", "isolation=vm"], "isolation: expected one of namespaces, process"),
+        (["-o", "namespace_tool=docker"], "namespace_tool: expected one of auto, bwrap, unshare"),
         (["--env", "NOEQUALS"], "--env 'NOEQUALS': expected KEY=VALUE"),
         (["--file", "/nonexistent/x:y"], "cannot read /nonexistent/x"),
         (["--provider", "nope"], "no sandbox named 'nope'"),
@@ -133,7 +156,7 @@ def _running(pid: int) -> bool:
 
 
 def test_help_documents_every_option(cli) -> None:  # type: ignore[no-untyped-def]
-    for command in ("providers", "run", "sweep"):
+    for command in ("providers", "run", "sweep", "probe"):
         code, out, _ = cli("sandbox", command, "--help")
         assert code == 0 and "--json" in out
     code, out, _ = cli("--help")

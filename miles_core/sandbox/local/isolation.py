@@ -79,19 +79,23 @@ def network_isolation_available() -> bool:
         return False
 
 
-def rlimits(limits: Limits, *, processes: bool | None = None) -> list[tuple[int, int]]:
+def rlimits(
+    limits: Limits, *, processes: bool | None = None, address_space: bool = True
+) -> list[tuple[int, int]]:
     """``(resource, value)`` pairs that enforce ``limits`` (hard = soft).
 
     ``processes``: whether to set ``RLIMIT_NPROC``, which counts per user (per user namespace
     since Linux 5.14); default: when running as root, where each sandbox has a uid of its own.
+    ``address_space``: whether ``RLIMIT_AS`` enforces ``memory_mb`` (not when a cgroup does).
     """
     pairs = [
         (resource.RLIMIT_CPU, limits.cpu_seconds),
-        (resource.RLIMIT_AS, limits.memory_mb * MB),
         (resource.RLIMIT_FSIZE, limits.file_size_mb * MB),
         (resource.RLIMIT_NOFILE, limits.open_files),
         (resource.RLIMIT_CORE, 0),
     ]
+    if address_space:
+        pairs.append((resource.RLIMIT_AS, limits.memory_mb * MB))
     if is_root() if processes is None else processes:
         pairs.append((resource.RLIMIT_NPROC, limits.processes))
     return pairs

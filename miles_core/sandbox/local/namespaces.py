@@ -442,7 +442,15 @@ class Started:
     keeper: subprocess.Popen[bytes] | None = None  # bwrap's outer process
 
 
-def unshare_child(layout: Layout, staging: str, uid: int, gid: int, report: int, parent: int, sh: str) -> None:
+def _join_cgroup(procs_fd: int | None) -> None:
+    """Move the calling process into a sandbox's cgroup (its children follow)."""
+    if procs_fd is not None:
+        os.write(procs_fd, b"0")
+
+
+def unshare_child(
+    layout: Layout, staging: str, uid: int, gid: int, report: int, parent: int, sh: str, cgroup_procs: int | None
+) -> None:
     """The forked child of :func:`start_unshare` (never returns).
 
     As root, every namespace but the user one is created owned by the host's user namespace
@@ -452,6 +460,7 @@ def unshare_child(layout: Layout, staging: str, uid: int, gid: int, report: int,
     try:
         _reset_signals()
         _die_with(parent)
+        _join_cgroup(cgroup_procs)
         root = os.geteuid() == 0
         others = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
         if not layout.network:
@@ -524,7 +533,9 @@ def _unshare_init(
             os._exit(1)
 
 
-def start_unshare(layout: Layout, staging: Path, uid: int, gid: int) -> tuple[int, int]:
+def start_unshare(
+    layout: Layout, staging: Path, uid: int, gid: int, cgroup_procs: int | None = None
+) -> tuple[int, int]:
     """Fork the keeper whose child becomes the sandbox's init; returns ``(keeper pid, read fd)``.
 
     ``staging`` is an empty host directory the new root is mounted on (in the sandbox's own
@@ -539,7 +550,7 @@ def start_unshare(layout: Layout, staging: Path, uid: int, gid: int) -> tuple[in
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read)
-        unshare_child(layout, str(staging), uid, gid, write, parent, sh)
+        unshare_child(layout, str(staging), uid, gid, write, parent, sh, cgroup_procs)
     os.close(write)
     return pid, read
 
@@ -582,7 +593,7 @@ def bwrap_argv(bwrap: str, layout: Layout) -> list[str]:
 
 
 def start_bwrap(
-    bwrap: str, layout: Layout, uid: int, gid: int, log_fd: int
+    bwrap: str, layout: Layout, uid: int, gid: int, log_fd: int, cgroup_procs: int | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start bwrap as the sandbox's host uid; returns the process and the report fd.
 
@@ -606,6 +617,7 @@ def start_bwrap(
         root = os.geteuid() == 0
 
         def child_setup() -> None:
+            _join_cgroup(cgroup_procs)
             high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in wanted]
             for number, fd in enumerate(high, start=BWRAP_INFO_FD):
                 os.dup2(fd, number, inheritable=True)
@@ -651,10 +663,11 @@ def entering(
     root_owned: bool,
     cwd: str,
     rlimits: Sequence[tuple[int, int]],
+    cgroup_procs: int | None = None,
 ) -> Callable[[], None]:
     """The ``preexec_fn`` that moves a new process into the sandbox held by ``pidfd``.
 
-    It joins the init's namespaces, sets the limits, drops every capability and privilege
+    It joins the sandbox's cgroup (when it has one) and the init's namespaces, sets the limits, drops every capability and privilege
     (uid :data:`SANDBOX_UID`, empty bounding set, ``no_new_privs``), then forks: the command
     runs in the child, inside the sandbox's pid namespace; this process stays outside,
     waiting for it and exiting as it did, holding no file descriptor.
@@ -662,6 +675,7 @@ def entering(
     import resource
 
     def setup() -> None:
+        _join_cgroup(cgroup_procs)
         if os.geteuid() == 0:
             os.setgroups([])
         others = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP | CLONE_NEWNET

@@ -52,7 +52,11 @@ async def _probe(root: Path, config: dict[str, Any]) -> dict[str, Any]:
             if not result.ok:
                 raise RuntimeError(f"probe command failed (exit {result.exit_code}): {result.stderr.strip()}")
             limits_text, net_text, ns_text = result.stdout.split("---", 2)
-            enforced = _check_limits(limits_text, provider.capabilities.limits)
+            meta = provider.store.read_meta(ref.id)
+            by_cgroup = {"memory_mb", "processes"} if meta is not None and meta.cgroup else set()
+            enforced = _check_limits(limits_text, provider.capabilities.limits - by_cgroup)
+            if by_cgroup and meta is not None and meta.cgroup:
+                enforced.update(_check_cgroup(Path(meta.cgroup)))
             interfaces = sorted(re.findall(r"^\s*([^\s:]+):", net_text, re.M))
             if provider.capabilities.network_isolation and interfaces != ["lo"]:
                 raise RuntimeError(f"network isolation claimed but the sandbox sees interfaces {interfaces}")
@@ -95,7 +99,19 @@ def _check_namespaces(text: str) -> dict[str, Any]:
     return {"processes": processes, "uid_map": " ".join(maps[0]), **status}
 
 
-def _check_limits(text: str, declared: frozenset[str]) -> dict[str, int]:
+def _check_cgroup(path: Path) -> dict[str, int]:
+    """Memory and process limits of a sandbox's cgroup, as the kernel reports them."""
+    from miles_core.sandbox.local.cgroups import read_limits
+
+    found = read_limits(path)
+    expected = {"memory.max": str(PROBE_LIMITS.memory_mb << 20), "pids.max": str(PROBE_LIMITS.processes)}
+    for name, value in expected.items():
+        if found.get(name) != value:
+            raise RuntimeError(f"cgroup {path}: {name} is {found.get(name)!r}, expected {value}")
+    return {"memory_mb": PROBE_LIMITS.memory_mb, "processes": PROBE_LIMITS.processes}
+
+
+def _check_limits(text: str, declared: frozenset[str] | set[str]) -> dict[str, int]:
     seen: dict[str, int] = {}
     for row, (field, unit) in LIMIT_ROWS.items():
         match = re.search(rf"^{row}\s+(\S+)\s+(\S+)", text, re.M)

@@ -36,7 +36,7 @@ from miles_core.sandbox.base import (
     SandboxSpec,
 )
 from miles_core.sandbox.errors import SandboxNotFound, SandboxUnsupported
-from miles_core.sandbox.local import files, namespaces
+from miles_core.sandbox.local import cgroups, files, namespaces
 from miles_core.sandbox.local.client import SupervisorClient
 from miles_core.sandbox.local.images import DEFAULT_PATH, ensure_image, populate
 from miles_core.sandbox.local.isolation import MARKER_VAR, is_root, network_isolation_available
@@ -86,6 +86,7 @@ class LocalProvider:
         isolate_network: bool | None = None,
         step_timeout_s: float = 1800.0,
         tmpfs_mb: int = 256,
+        cgroup: str | None = None,
     ) -> None:
         self.store = Store(Path(root).absolute() if root is not None else default_root())
         if isolation is not None and isolation not in ISOLATIONS:
@@ -118,6 +119,12 @@ class LocalProvider:
         self._bwrap = namespaces.tool_path("bwrap") if self.tool == "bwrap" else None
         self.tmpfs_mb = tmpfs_mb
         self.step_timeout_s = step_timeout_s
+        self.cgroup_parent: cgroups.CgroupParent | None = None
+        self.cgroup_detail = "rlimits per process (isolation='process')"
+        if isolation == "namespaces":
+            self.cgroup_parent, self.cgroup_detail = cgroups.find_parent(cgroup)
+            if self.cgroup_parent is None and cgroup not in (None, "auto", "none"):
+                raise SandboxUnsupported(f"cgroup={cgroup!r} cannot hold sandboxes: {self.cgroup_detail}", provider="local")
         if isolation == "namespaces":
             if isolate_network is False:
                 raise SandboxUnsupported(
@@ -168,6 +175,11 @@ class LocalProvider:
             "namespaces": self.support.to_dict() if self.support is not None else None,
             "interpreters": self.python.to_dict() if self.python is not None else None,
             "path": self._path(),
+            "limits_by": (
+                f"cgroup v2 below {self.cgroup_parent.path} (memory, processes per sandbox) and rlimits"
+                if self.cgroup_parent is not None
+                else f"rlimits per process ({self.cgroup_detail})"
+            ),
         }
 
     def _path(self) -> str:
@@ -248,6 +260,7 @@ class LocalProvider:
             isolation=self.isolation,
             tool=self.tool,
             tmpfs_mb=self.tmpfs_mb,
+            cpus=float(self.store.image_resources(spec.image.digest).get("cpus", 1)) if spec.image else None,
         )
         try:
             if is_root():
@@ -259,6 +272,7 @@ class LocalProvider:
                 id=sandbox_id,
                 isolate=self.isolate_network and not spec.network,
                 bwrap=self._bwrap,
+                cgroup=str(self.cgroup_parent.path) if self.cgroup_parent is not None else None,
             )
         except BaseException:
             await asyncio.shield(client.call("destroy", id=sandbox_id))

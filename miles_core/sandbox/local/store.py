@@ -35,6 +35,7 @@ from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_bytes_atomic
+from miles_core.sandbox.local import cgroups
 from miles_core.sandbox.local.isolation import kill_sandbox_processes, kill_uid
 from miles_core.sandbox.local.uids import UidRegistry
 from miles_core.sandbox.ownership import process_alive, process_start_time
@@ -73,6 +74,8 @@ class Meta:
     init_start: str | None = None
     keeper_pid: int | None = None  # namespaces: the host process holding the init
     keeper_start: str | None = None
+    cgroup: str | None = None  # namespaces: the sandbox's own cgroup v2 directory
+    cpus: float | None = None  # its image's Resources.cpus (cgroup cpu.max)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Meta:
@@ -138,6 +141,8 @@ class Store:
             # (its supervisor reaps it)
             if meta.init_pid is not None:
                 kill_and_wait(meta.init_pid, meta.init_start)
+            if meta.cgroup is not None:
+                cgroups.remove(Path(meta.cgroup))
         elif meta.uid is not None:
             kill_uid(meta.uid)
         else:
@@ -170,6 +175,13 @@ class Store:
 
     def image_dir(self, digest: str) -> Path:
         return self.images / digest
+
+    def image_resources(self, digest: str) -> dict[str, Any]:
+        """The ``Resources`` an image's recipe asked for (empty if its recipe is not recorded)."""
+        try:
+            return dict(json.loads((self.images / f"{digest}.json").read_text()).get("resources") or {})
+        except (OSError, ValueError):
+            return {}
 
 
 def kill_and_wait(pid: int, start: str | None, timeout: float = INIT_EXIT_TIMEOUT_S) -> bool:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.sandbox.base import Limits
-from miles_core.sandbox.local import namespaces
+from miles_core.sandbox.local import cgroups, namespaces
 from miles_core.sandbox.local.isolation import child_setup, new_network_namespace, rlimits
 from miles_core.sandbox.local.spawn import Child
 from miles_core.sandbox.local.store import Meta, Store
@@ -60,6 +60,7 @@ class Tracked:
     init_pidfd: int | None = None  # namespaces: the sandbox's pid 1
     keeper: subprocess.Popen[bytes] | None = None  # namespaces, bwrap: its outer process
     keeper_pid: int | None = None  # namespaces, unshare: the monitor (our child)
+    cgroup_procs: int | None = None  # namespaces with cgroups: its cgroup.procs, for new processes
 
     @property
     def root_owned(self) -> bool:
@@ -139,6 +140,9 @@ class Supervisor:
             tracked.timer.cancel()
         if tracked.netns_fd is not None:
             os.close(tracked.netns_fd)
+        if tracked.cgroup_procs is not None:
+            os.close(tracked.cgroup_procs)
+            tracked.cgroup_procs = None
         if tracked.init_pidfd is not None:
             loop = asyncio.get_running_loop()
             loop.remove_reader(tracked.init_pidfd)
@@ -203,17 +207,29 @@ class Supervisor:
             tracked = Tracked(meta, None)
             self.tracked[meta.id] = tracked
             self._arm(tracked)
-            await self._start_namespaces(tracked, message.get("bwrap"))
-            return {"init_pid": meta.init_pid}
+            await self._start_namespaces(tracked, message.get("bwrap"), message.get("cgroup"))
+            return {"init_pid": meta.init_pid, "cgroup": meta.cgroup}
         netns = new_network_namespace() if not meta.network and message.get("isolate", False) else None
         tracked = Tracked(meta, netns)
         self.tracked[meta.id] = tracked
         self._arm(tracked)
         return {}
 
-    async def _start_namespaces(self, tracked: Tracked, bwrap: str | None) -> None:
-        """Start the sandbox's init, wait until it is set up, and keep a pidfd on it."""
+    async def _start_namespaces(self, tracked: Tracked, bwrap: str | None, cgroup: str | None) -> None:
+        """Start the sandbox's init (in a cgroup of its own below ``cgroup``, if given), wait
+        until it is set up, and keep a pidfd on it."""
         meta = tracked.meta
+        if cgroup is not None:
+            parent, why = cgroups.find_parent(cgroup)
+            if parent is None:
+                raise Failure("fatal", f"sandbox {meta.id}: cgroup parent unusable: {why}")
+            limits = Limits(**meta.limits)
+            path = cgroups.create(
+                parent, meta.id, memory_mb=limits.memory_mb, processes=limits.processes, cpus=meta.cpus
+            )
+            meta.cgroup = str(path)
+            self.store.write_meta(meta)
+            tracked.cgroup_procs = os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
         uid = meta.uid if meta.uid is not None else os.geteuid()
         gid = meta.uid if meta.uid is not None else os.getegid()
         layout = namespaces.build_layout(
@@ -228,14 +244,18 @@ class Supervisor:
                 raise Failure("fatal", "the bwrap tool was chosen but no bwrap path was given")
             log = os.open(directory / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                tracked.keeper, report = namespaces.start_bwrap(bwrap, layout, uid, gid, log)
+                tracked.keeper, report = namespaces.start_bwrap(
+                    bwrap, layout, uid, gid, log, cgroup_procs=tracked.cgroup_procs
+                )
             finally:
                 os.close(log)
             keeper_pid, parse = tracked.keeper.pid, namespaces.parse_bwrap_report
         else:
             staging = directory / "root"
             staging.mkdir(mode=0o700)
-            keeper_pid, report = namespaces.start_unshare(layout, staging, uid, gid)
+            keeper_pid, report = namespaces.start_unshare(
+                layout, staging, uid, gid, cgroup_procs=tracked.cgroup_procs
+            )
             tracked.keeper_pid, parse = keeper_pid, namespaces.read_unshare_report
         info = await _read_report(report, parse)
         if "error" in info or not info.get("ready") or "init" not in info:
@@ -311,11 +331,13 @@ class Supervisor:
             )
         if tracked.init_pidfd is None:
             raise Failure("not_found", f"sandbox {meta.id} is not running")
+        by_cgroup = tracked.cgroup_procs is not None  # memory and processes: the whole sandbox's
         setup: Callable[[], None] = namespaces.entering(
             tracked.init_pidfd,
             root_owned=tracked.root_owned,
             cwd=message["cwd"],
-            rlimits=rlimits(limits, processes=namespace_process_limit()),
+            rlimits=rlimits(limits, processes=namespace_process_limit() and not by_cgroup, address_space=not by_cgroup),
+            cgroup_procs=tracked.cgroup_procs,
         )
         return Child(
             message["argv"],
