@@ -66,7 +66,7 @@ def _usable(path: Path) -> tuple[CgroupParent | None, str]:
     if resolved != mount and mount not in resolved.parents:
         return None, f"{path} is not inside the cgroup v2 hierarchy at {mount}"
     enabled = _controllers(resolved, "cgroup.subtree_control")
-    if not REQUIRED <= enabled:
+    if not enabled >= REQUIRED:
         return None, f"{path} does not enable {sorted(REQUIRED - enabled)} for its children"
     if not os.access(resolved, os.W_OK | os.X_OK):
         return None, f"{path} is not writable by uid {os.geteuid()}"
@@ -88,7 +88,7 @@ def find_parent(option: str | None = None) -> tuple[CgroupParent | None, str]:
         return None, "no cgroup v2 hierarchy is mounted (cgroup v1 host)"
     if os.geteuid() != 0:
         return None, f"no delegated cgroup (set {ENV_CGROUP} to one whose subtree_control enables memory and pids)"
-    if not REQUIRED <= _controllers(mount, "cgroup.controllers"):
+    if not _controllers(mount, "cgroup.controllers") >= REQUIRED:
         return None, f"the cgroup v2 root {mount} offers {sorted(_controllers(mount, 'cgroup.controllers'))}"
     parent = mount / AUTO_NAME
     try:
