@@ -69,6 +69,12 @@ def test_files_do_not_follow_the_sandboxes_symlinks(sandbox_root: Path, local_op
             await provider.read_file(ref, "../meta.json")
         await provider.write_file(ref, f"{ref.workdir}/absolute.txt", b"in the workdir")
         assert (await provider.exec(ref, "cat absolute.txt")).stdout == "in the workdir"
+        if is_root():  # a hard link to a host file (fs.protected_hardlinks=0 lets a sandbox make one)
+            secret = Path(provider.host_workdir(ref)).parent / "host-secret"
+            secret.write_text("host only")
+            os.link(secret, Path(provider.host_workdir(ref), "hard.txt"))
+            with pytest.raises(SandboxError, match="not owned by the sandbox"):
+                await provider.read_file(ref, "hard.txt")
 
     run(sandbox_root, local_options, body)
 

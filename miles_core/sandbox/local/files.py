@@ -87,7 +87,9 @@ def write_file(
         raise SandboxFatalError(f"cannot write {path!r}: {exc.strerror}", provider="local") from None
 
 
-def read_file(workdir: Path, path: str, *, visible: str | None = None) -> bytes:
+def read_file(workdir: Path, path: str, *, visible: str | None = None, owner: int | None = None) -> bytes:
+    """The content of ``path`` below ``workdir``. With ``owner`` (the sandbox's own uid, as
+    root) a file it does not own is refused: a hard link the sandbox made to a host file."""
     parts = _parts(PurePosixPath(visible or workdir), path)
     try:
         parent = _open_parent(workdir, parts, create=False, owner=None)
@@ -96,6 +98,9 @@ def read_file(workdir: Path, path: str, *, visible: str | None = None) -> bytes:
         finally:
             os.close(parent)
         _require_regular(fd, path)
+        if owner is not None and os.fstat(fd).st_uid != owner:
+            os.close(fd)
+            raise OSError(0, f"{path!r} is not owned by the sandbox (a link to a file of the host?)")
         with os.fdopen(fd, "rb") as fh:
             return fh.read()
     except OSError as exc:

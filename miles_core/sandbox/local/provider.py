@@ -370,9 +370,13 @@ class LocalProvider:
         )
 
     async def read_file(self, ref: SandboxRef, path: str) -> bytes:
-        self._meta(ref)
+        meta = self._meta(ref)
         return await asyncio.to_thread(
-            files.read_file, self.store.workdir(ref.id), path, visible=self._workdir_inside(ref.id)
+            files.read_file,
+            self.store.workdir(ref.id),
+            path,
+            visible=self._workdir_inside(ref.id),
+            owner=meta.uid,
         )
 
     async def expose(self, ref: SandboxRef, port: int) -> Endpoint:
