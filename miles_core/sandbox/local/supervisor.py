@@ -42,7 +42,7 @@ from miles_core.sandbox.base import Limits
 from miles_core.sandbox.local import cgroups, namespaces
 from miles_core.sandbox.local.isolation import child_setup, new_network_namespace, rlimits
 from miles_core.sandbox.local.spawn import Child
-from miles_core.sandbox.local.store import Meta, Store
+from miles_core.sandbox.local.store import Meta, Store, kill_and_wait
 from miles_core.sandbox.ownership import process_alive, process_start_time
 
 OWNER_POLL_S = 1.0
@@ -183,11 +183,12 @@ class Supervisor:
         if tracked is not None:
             self._untrack(sandbox_id, tracked)
             meta = tracked.meta
+            if meta.init_pid is not None:  # the init and its keeper are gone before the reply
+                kill_and_wait(meta.init_pid, meta.init_start)
+            self._reap_keeper(tracked)
         else:
             meta = self.store.read_meta(sandbox_id)
         existed = self.store.remove(meta) if meta is not None else False
-        if tracked is not None:
-            self._reap_keeper(tracked)
         self._check_idle()
         return existed
 
