@@ -13,7 +13,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.testing.sandbox import ProviderConformance, ProviderFactory
 
-register_cpu_ci(est_time=60, suite="stage-a-cpu")
+register_cpu_ci(est_time=45, suite="stage-a-cpu")
 
 
 class TestLocalConformance(ProviderConformance):

@@ -17,7 +17,7 @@ from miles_core.sandbox.local.isolation import sandbox_processes
 from miles_core.sandbox.local.store import Store
 from miles_core.sandbox.ownership import process_alive
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=30, suite="stage-a-cpu")
 
 TTL = 2.0
 OWNER = textwrap.dedent(

@@ -15,7 +15,7 @@ from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.sandbox.ownership import process_alive
 from miles_core.testing.sandbox import InMemoryProvider, cancellation_storm, naive_create_leaks
 
-register_cpu_ci(est_time=50, suite="stage-a-cpu")
+register_cpu_ci(est_time=20, suite="stage-a-cpu")
 
 LIMIT = 64
 

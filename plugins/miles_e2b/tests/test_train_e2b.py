@@ -17,7 +17,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
