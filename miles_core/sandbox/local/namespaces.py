@@ -10,8 +10,8 @@ tmpfs ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and the sandbox's working directo
 
 Two tools build it, chosen by :func:`support`:
 
-* ``bwrap`` (bubblewrap, where installed): the sandbox is one ``bwrap`` process tree.
-* ``unshare``: the same namespaces set up with the kernel's ``unshare(2)``/``pivot_root(2)``
+* ``bwrap`` (bubblewrap, where installed; :mod:`.ns_bwrap`): the sandbox is one ``bwrap`` process tree.
+* ``unshare`` (:mod:`.ns_unshare`): the same namespaces set up with the kernel's ``unshare(2)``/``pivot_root(2)``
   directly, in a child of the supervisor (needs no tool besides the kernel).
 
 Either way the init is ``/bin/sh`` as pid 1 of the sandbox, reaping orphans; pid 1 ignores
@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import os
 import platform
 import shutil
@@ -57,19 +56,8 @@ CLONE_NEWNET = 0x40000000
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
-#: statvfs f_flag bits -> the mount flags a read-only remount must keep (the kernel refuses to
-#: clear locked ones)
-_KEPT_FLAGS = {
-    os.ST_NOSUID: MS_NOSUID,
-    os.ST_NODEV: MS_NODEV,
-    os.ST_NOEXEC: MS_NOEXEC,
-    os.ST_NOATIME: MS_NOATIME,
-    os.ST_NODIRATIME: MS_NODIRATIME,
-    os.ST_RELATIME: MS_RELATIME,
-}
 #: pivot_root(2) has no libc wrapper
 _SYS_PIVOT_ROOT = {"x86_64": 155, "i686": 217, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
@@ -116,18 +104,18 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-_LIBC = _libc()
+LIBC = _libc()
 
 
-def _check(result: int, what: str) -> None:
+def check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(
-        _LIBC.mount(
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    check(
+        LIBC.mount(
             source.encode() if source is not None else None,
             target.encode(),
             fstype.encode() if fstype is not None else None,
@@ -138,19 +126,19 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     )
 
 
-def _prctl(option: int, arg: int = 0) -> None:
-    _check(_LIBC.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+def prctl(option: int, arg: int = 0) -> None:
+    check(LIBC.prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
 def setns(fd: int, flags: int) -> None:
-    _check(_LIBC.setns(fd, flags), "setns")
+    check(LIBC.setns(fd, flags), "setns")
 
 
-def _pivot_root(new_root: str, put_old: str) -> None:
+def pivot_root(new_root: str, put_old: str) -> None:
     number = _SYS_PIVOT_ROOT.get(platform.machine())
     if number is None:
         raise OSError(errno.ENOSYS, f"pivot_root: unknown system call number on {platform.machine()}")
-    _check(_LIBC.syscall(number, new_root.encode(), put_old.encode()), "pivot_root")
+    check(LIBC.syscall(number, new_root.encode(), put_old.encode()), "pivot_root")
 
 
 def bring_loopback_up() -> None:
@@ -319,87 +307,10 @@ def build_layout(
     )
 
 
-# -- the unshare tool ---------------------------------------------------------------------------
+# -- processes of a sandbox ----------------------------------------------------------------------
 
 
-def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def _map_self(uid: int, gid: int) -> None:
-    """Map the calling process's host ``uid``/``gid`` to the sandbox user in its new user namespace."""
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{SANDBOX_UID} {uid} 1\n")
-    _write("/proc/self/gid_map", f"{SANDBOX_GID} {gid} 1\n")
-
-
-def _kept_flags(path: str) -> int:
-    flags = MS_NOSUID | MS_NODEV
-    info = os.statvfs(path)
-    for bit, flag in _KEPT_FLAGS.items():
-        if info.f_flag & bit:
-            flags |= flag
-    return flags
-
-
-def _make_target(path: str, *, directory: bool) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    if directory:
-        os.makedirs(path, mode=0o755, exist_ok=True)
-    elif not os.path.lexists(path):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
-
-
-def _bind(source: str, target: str, *, writable: bool, keep_dev: bool = False) -> None:
-    _make_target(target, directory=os.path.isdir(source))
-    _mount(source, target, None, MS_BIND)
-    flags = _kept_flags(source) | (0 if writable else MS_RDONLY)
-    if keep_dev:
-        flags &= ~MS_NODEV
-    _mount(None, target, None, MS_REMOUNT | MS_BIND | flags)
-
-
-def _tmpfs(target: str, size_mb: int, mode: str, extra: int = 0) -> None:
-    os.makedirs(target, mode=0o755, exist_ok=True)
-    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | extra, f"mode={mode},size={size_mb}m")
-
-
-def _build_root(layout: Layout, root: str) -> None:
-    """Populate ``root`` (a fresh tmpfs) with the layout; called as pid 1 of the new namespaces."""
-    for directory in layout.dirs:
-        os.makedirs(root + directory, mode=0o755, exist_ok=True)
-    for bind in layout.binds:
-        _bind(bind.source, root + bind.dest, writable=bind.writable)
-    for path, target in layout.symlinks:
-        os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
-        os.symlink(target, root + path)
-    for path, content in layout.files:
-        with open(root + path, "wb") as fh:
-            fh.write(content)
-    os.makedirs(root + "/proc", mode=0o555)
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    _tmpfs(root + "/dev", 1, "0755")
-    for node in DEV_NODES:
-        _bind(f"/dev/{node}", f"{root}/dev/{node}", writable=True, keep_dev=True)
-    links = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-             "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}  # fmt: skip
-    for name, target in links.items():
-        os.symlink(target, f"{root}/dev/{name}")
-    os.makedirs(f"{root}/dev/pts", mode=0o755)
-    try:
-        _mount("devpts", f"{root}/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
-    except OSError:
-        pass  # no pseudo-terminals in this sandbox; everything else works without them
-    _tmpfs(f"{root}/dev/shm", layout.tmpfs_mb, "1777")
-    _tmpfs(f"{root}/tmp", layout.tmpfs_mb, "1777")
-    _tmpfs(f"{root}/var/tmp", layout.tmpfs_mb, "1777")
-
-
-def _devnull_stdio() -> None:
+def devnull_stdio() -> None:
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -407,251 +318,21 @@ def _devnull_stdio() -> None:
         os.close(null)
 
 
-def _close_fds_except(keep: Sequence[int]) -> None:
-    start = 3
-    for fd in sorted(keep):
-        if fd >= start:
-            os.closerange(start, fd)
-            start = fd + 1
-    os.closerange(start, 1 << 20)
+def close_fds_above_stdio() -> None:
+    os.closerange(3, 1 << 20)
 
 
-def _reset_signals() -> None:
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-
-
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """Get SIGKILL when ``parent`` dies -- or now, if it already has."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 
 
-def _exec_reaper(sh: str) -> None:
-    os.execve(sh, ["sh", "-c", REAPER], {"PATH": SANDBOX_PATH})
-
-
-@dataclass
-class Started:
-    """A running namespace sandbox: its init (pid 1) and the host process that holds it."""
-
-    init_pid: int
-    keeper_pid: int
-    keeper: subprocess.Popen[bytes] | None = None  # bwrap's outer process
-
-
-def _join_cgroup(procs_fd: int | None) -> None:
+def join_cgroup(procs_fd: int | None) -> None:
     """Move the calling process into a sandbox's cgroup (its children follow)."""
     if procs_fd is not None:
         os.write(procs_fd, b"0")
-
-
-def unshare_child(
-    layout: Layout, staging: str, uid: int, gid: int, report: int, parent: int, sh: str, cgroup_procs: int | None
-) -> None:
-    """The forked child of :func:`start_unshare` (never returns).
-
-    As root, every namespace but the user one is created owned by the host's user namespace
-    (mounts need the host paths root can read), then the init switches to the sandbox's uid and
-    a user namespace of its own. Unprivileged, the user namespace comes first and owns the rest.
-    """
-    try:
-        _reset_signals()
-        _die_with(parent)
-        _join_cgroup(cgroup_procs)
-        root = os.geteuid() == 0
-        others = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
-        if not layout.network:
-            others |= CLONE_NEWNET
-        if root:
-            _check(_LIBC.unshare(others), "unshare")
-        else:
-            _check(_LIBC.unshare(CLONE_NEWUSER | others), "unshare")
-            _map_self(uid, gid)
-        init = os.fork()
-        if init == 0:
-            _unshare_init(layout, staging, uid, gid, report, sh, root)
-        os.write(report, json.dumps({"init": init}).encode() + b"\n")
-        os.close(report)
-        if root:  # the keeper holds nothing the sandbox could use; it needs no privileges
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
-            _die_with(parent)  # changing credentials cleared the parent-death signal
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)
-        _devnull_stdio()
-        _close_fds_except(())
-        _wait_and_exit_like(init)  # reap the init when it ends, so no zombie outlives the sandbox
-    except BaseException as exc:  # reported to the supervisor, which raises it
-        try:
-            os.write(report, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
-        finally:
-            os._exit(1)
-
-
-def _unshare_init(
-    layout: Layout, staging: str, uid: int, gid: int, report: int, sh: str, root_owned: bool
-) -> None:
-    try:
-        keeper = os.getppid()
-        _die_with(keeper)
-        _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        _mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
-        _build_root(layout, staging)
-        _check(_LIBC.sethostname(layout.hostname.encode(), len(layout.hostname)), "sethostname")
-        if not layout.network:
-            bring_loopback_up()
-        os.chdir(staging)
-        _pivot_root(".", ".")
-        _check(_LIBC.umount2(b".", MNT_DETACH), "umount old root")
-        os.chdir("/")
-        _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        if root_owned:
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
-            _die_with(keeper)  # changing credentials cleared the parent-death signal
-            _prctl(PR_SET_DUMPABLE, 1)  # /proc/self/*_map stay writable by the new uid
-            _check(_LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
-            _map_self(uid, gid)
-        else:
-            os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
-            os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)
-        os.write(report, json.dumps({"ready": True}).encode() + b"\n")
-        os.close(report)
-        _devnull_stdio()
-        _close_fds_except(())
-        os.chdir(WORKDIR)
-        _exec_reaper(sh)
-    except BaseException as exc:
-        try:
-            os.write(report, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
-        finally:
-            os._exit(1)
-
-
-def start_unshare(
-    layout: Layout, staging: Path, uid: int, gid: int, cgroup_procs: int | None = None
-) -> tuple[int, int]:
-    """Fork the keeper whose child becomes the sandbox's init; returns ``(keeper pid, read fd)``.
-
-    ``staging`` is an empty host directory the new root is mounted on (in the sandbox's own
-    mount namespace only) before it becomes the sandbox's ``/``.
-
-    The supervisor reads JSON lines from the fd until EOF (:func:`read_report`): ``init`` (the
-    init's host pid), then ``ready`` or ``error``.
-    """
-    sh = tool_path("sh")
-    read, write = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read)
-        unshare_child(layout, str(staging), uid, gid, write, parent, sh, cgroup_procs)
-    os.close(write)
-    return pid, read
-
-
-# -- the bwrap tool -------------------------------------------------------------------------------
-
-
-#: descriptors of a bwrap child: its --info-fd, the init's ready signal, then the generated files
-BWRAP_INFO_FD, BWRAP_READY_FD, BWRAP_DATA_FD = 3, 4, 5
-READY_WORD = "miles-sandbox-ready"
-
-
-def bwrap_argv(bwrap: str, layout: Layout) -> list[str]:
-    """The bwrap command line of a sandbox (descriptors as in :func:`start_bwrap`)."""
-    argv = [
-        bwrap,
-        "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--hostname", layout.hostname,
-        "--die-with-parent", "--disable-userns", "--as-pid-1", "--cap-drop", "ALL", "--clearenv",
-    ]  # fmt: skip
-    if not layout.network:
-        argv.append("--unshare-net")
-    for directory in layout.dirs:
-        argv += ["--dir", directory]
-    for bind in layout.binds:
-        argv += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.dest]
-    for path, target in layout.symlinks:
-        argv += ["--symlink", target, path]
-    for index, (path, _) in enumerate(layout.files):
-        argv += ["--perms", "0644", "--ro-bind-data", str(BWRAP_DATA_FD + index), path]
-    size = str(layout.tmpfs_mb << 20)
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    for path in ("/tmp", "/var/tmp", "/dev/shm"):
-        argv += ["--perms", "1777", "--size", size, "--tmpfs", path]
-    argv += ["--remount-ro", "/", "--chdir", WORKDIR, "--info-fd", str(BWRAP_INFO_FD)]
-    argv += ["--setenv", "PATH", SANDBOX_PATH, "--", "/bin/sh", "-c"]
-    ready = BWRAP_READY_FD
-    argv.append(f"echo {READY_WORD} >&{ready}; exec </dev/null >/dev/null 2>&1 {ready}>&-; {REAPER}")
-    return argv
-
-
-def start_bwrap(
-    bwrap: str, layout: Layout, uid: int, gid: int, log_fd: int, cgroup_procs: int | None = None
-) -> tuple[subprocess.Popen[bytes], int]:
-    """Start bwrap as the sandbox's host uid; returns the process and the report fd.
-
-    The report fd yields bwrap's ``--info-fd`` JSON (the init's pid), then one newline from the
-    init (:data:`READY_WORD`) once the sandbox is fully set up (bwrap finishes its setup before it execs the init).
-    bwrap's own errors go to ``log_fd``. The child's descriptors are set in ``preexec_fn``
-    (``close_fds=False``: every other descriptor of the supervisor is close-on-exec), at fixed
-    low numbers the init's shell can close.
-    """
-    if len(layout.files) > 10 - BWRAP_DATA_FD:
-        raise ValueError("too many generated files for the bwrap descriptor layout")
-    read, write = os.pipe()
-    data_fds = []
-    try:
-        for _, content in layout.files:
-            data_read, data_write = os.pipe()
-            os.write(data_write, content)
-            os.close(data_write)
-            data_fds.append(data_read)
-        wanted = [write, write, *data_fds]  # info, ready, data
-        root = os.geteuid() == 0
-
-        def child_setup() -> None:
-            _join_cgroup(cgroup_procs)
-            high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in wanted]
-            for number, fd in enumerate(high, start=BWRAP_INFO_FD):
-                os.dup2(fd, number, inheritable=True)
-            if root:
-                os.setgroups([])
-                os.setresgid(gid, gid, gid)
-                os.setresuid(uid, uid, uid)
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-        proc = subprocess.Popen(
-            bwrap_argv(bwrap, layout),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=log_fd,
-            close_fds=False,
-            preexec_fn=child_setup,
-            env={"PATH": "/usr/bin:/bin"},
-            start_new_session=True,
-        )
-    finally:
-        os.close(write)
-        for fd in data_fds:
-            os.close(fd)
-    return proc, read
-
-
-def parse_bwrap_report(data: bytes) -> dict[str, Any]:
-    """``{"init": pid, "ready": bool}`` from what :func:`start_bwrap`'s report fd yielded."""
-    text = data.decode(errors="replace")
-    end = text.find("}")
-    if end < 0:
-        return {"ready": False}
-    info = json.loads(text[: end + 1])
-    return {"init": int(info["child-pid"]), "ready": READY_WORD in text[end + 1 :]}
 
 
 # -- entering a sandbox -----------------------------------------------------------------------------
@@ -675,7 +356,7 @@ def entering(
     import resource
 
     def setup() -> None:
-        _join_cgroup(cgroup_procs)
+        join_cgroup(cgroup_procs)
         if os.geteuid() == 0:
             os.setgroups([])
         others = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP | CLONE_NEWNET
@@ -688,29 +369,29 @@ def entering(
         for which, value in rlimits:
             resource.setrlimit(which, (value, value))
         for cap in range(64):
-            if _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            if LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
                 break  # past the last capability this kernel knows
         os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
         os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
         os.umask(0o022)  # files stay private to the sandbox: nothing else sees its filesystem
         child = os.fork()
         if child == 0:
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # the supervisor ignores it; commands must not
             os.close(pidfd)
             return  # subprocess closes the remaining descriptors and execs the command
-        _wait_and_exit_like(child)
+        wait_and_exit_like(child)
 
     return setup
 
 
-def _wait_and_exit_like(child: int) -> None:
+def wait_and_exit_like(child: int) -> None:
     """The waiting half of :func:`entering`: end exactly as the command did (code or signal)."""
     try:
         for fd in (0, 1, 2):
             os.close(fd)
-        _close_fds_except(())
+        close_fds_above_stdio()
         while True:
             try:
                 _, status = os.waitpid(child, 0)
@@ -808,17 +489,21 @@ def _probe_main(tool: str) -> int:
             os.chown(workdir, uid, gid)
         layout = build_layout(workdir, network=False, python=None, tmpfs_mb=1)
         if tool == "bwrap":
+            from miles_core.sandbox.local.ns_bwrap import parse_bwrap_report, start_bwrap
+
             log = os.open(os.path.join(scratch, "bwrap.log"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
             proc, report = start_bwrap(tool_path("bwrap"), layout, uid, gid, log)
             os.close(log)
             keeper = proc.pid
         else:
+            from miles_core.sandbox.local.ns_unshare import read_unshare_report, start_unshare
+
             staging = Path(scratch) / "root"
             staging.mkdir()
             keeper, report = start_unshare(layout, staging, uid, gid)
             proc = None
         data = b""
-        parse = parse_bwrap_report if tool == "bwrap" else read_unshare_report
+        parse = parse_bwrap_report if tool == "bwrap" else read_unshare_report  # type: ignore[possibly-undefined]
         info = parse(data)
         deadline = time.monotonic() + SUPPORT_TIMEOUT_S / 2
         while not report_complete(info) and time.monotonic() < deadline:
@@ -861,17 +546,6 @@ def report_complete(info: dict[str, Any]) -> bool:
     """A starting sandbox's report says all it will: it failed, or it is ready and named its init
     (the keeper and the init write independently: either line may come first)."""
     return "error" in info or (bool(info.get("ready")) and "init" in info)
-
-
-def _parse_lines(data: bytes) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for line in data.decode(errors="replace").splitlines():
-        if line.strip():
-            out.update(json.loads(line))
-    return out
-
-
-read_unshare_report = _parse_lines
 
 
 if __name__ == "__main__":

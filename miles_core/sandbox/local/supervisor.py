@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.sandbox.base import Limits
-from miles_core.sandbox.local import cgroups, namespaces
+from miles_core.sandbox.local import cgroups, namespaces, ns_bwrap, ns_unshare
 from miles_core.sandbox.local.isolation import child_setup, new_network_namespace, rlimits
 from miles_core.sandbox.local.spawn import Child
 from miles_core.sandbox.local.store import Meta, Store, kill_and_wait
@@ -245,19 +245,19 @@ class Supervisor:
                 raise Failure("fatal", "the bwrap tool was chosen but no bwrap path was given")
             log = os.open(directory / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                tracked.keeper, report = namespaces.start_bwrap(
+                tracked.keeper, report = ns_bwrap.start_bwrap(
                     bwrap, layout, uid, gid, log, cgroup_procs=tracked.cgroup_procs
                 )
             finally:
                 os.close(log)
-            keeper_pid, parse = tracked.keeper.pid, namespaces.parse_bwrap_report
+            keeper_pid, parse = tracked.keeper.pid, ns_bwrap.parse_bwrap_report
         else:
             staging = directory / "root"
             staging.mkdir(mode=0o700)
-            keeper_pid, report = namespaces.start_unshare(
+            keeper_pid, report = ns_unshare.start_unshare(
                 layout, staging, uid, gid, cgroup_procs=tracked.cgroup_procs
             )
-            tracked.keeper_pid, parse = keeper_pid, namespaces.read_unshare_report
+            tracked.keeper_pid, parse = keeper_pid, ns_unshare.read_unshare_report
         info = await _read_report(report, parse)
         if "error" in info or not info.get("ready") or "init" not in info:
             logged = ""
