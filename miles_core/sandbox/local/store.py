@@ -148,14 +148,15 @@ class Store:
         else:
             kill_sandbox_processes(meta.id)
         directory = self.sandbox_dir(meta.id)
-        try:
-            os.unlink(directory / "meta.json")
-            existed = True
+        existed = (directory / "meta.json").exists()
+        trash = self.sandboxes / f".removing-{meta.id}-{os.getpid()}"
+        try:  # the sandbox vanishes at once, whole (listing skips the new name); then its files
+            os.rename(directory, trash)
         except FileNotFoundError:
-            existed = False
+            trash = directory
         if meta.uid is not None and self.registry is not None:
             self.registry.release(meta.uid, self.root, meta.id)
-        remove_tree(directory)
+        remove_tree(trash)
         return existed
 
     def reap_expired(self, now: float | None = None) -> list[str]:
