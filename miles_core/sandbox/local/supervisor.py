@@ -332,6 +332,11 @@ class Supervisor:
             )
         if tracked.init_pidfd is None:
             raise Failure("not_found", f"sandbox {meta.id} is not running")
+        cwd = message["cwd"]
+        if cwd == namespaces.WORKDIR or cwd.startswith(namespaces.WORKDIR + "/"):
+            host = self.store.workdir(meta.id) / os.path.relpath(cwd, namespaces.WORKDIR)
+            if not host.is_dir():  # as Popen(cwd=...) reports it in process isolation
+                raise FileNotFoundError(2, "No such file or directory", cwd)
         by_cgroup = tracked.cgroup_procs is not None  # memory and processes: the whole sandbox's
         setup: Callable[[], None] = namespaces.entering(
             tracked.init_pidfd,
