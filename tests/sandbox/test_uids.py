@@ -29,7 +29,8 @@ CLAIMER = textwrap.dedent(
     from miles_core.sandbox.local.uids import UidRegistry
     registry = UidRegistry(Path(sys.argv[1]))
     root = Path(sys.argv[2])
-    print(json.dumps([registry.claim(root, f"box{i}") for i in range(int(sys.argv[3]))]))
+    print(json.dumps([registry.claim(root, f"box{i}") for i in range(int(sys.argv[3]))]), flush=True)
+    sys.stdin.read()  # stay alive: a claim of a process that is gone (and has no sandbox) is stale
     """
 )
 
@@ -44,19 +45,27 @@ def test_processes_with_different_roots_never_share_a_uid(tmp_path: Path, monkey
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script, str(registry), str(tmp_path / f"root{n}"), "100"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
         for n in range(2)
     ]
-    claimed = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    claimed = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+    for p in procs:
+        p.communicate(timeout=120)
     assert all(p.returncode == 0 for p in procs)
     every = claimed[0] + claimed[1]
     assert len(set(every)) == len(every) == 200
     held = UidRegistry(registry).claims()
     assert sorted(c.uid for c in held) == sorted(every)
     assert {c.root for c in held} == {str(tmp_path / "root0"), str(tmp_path / "root1")}
+    # now both claimers are gone and hold no sandbox: their claims are stale, every slot is free
+    again = UidRegistry(registry)
+    assert len({again.claim(tmp_path / "root2", f"new{i}") for i in range(256)}) == 256
+    with pytest.raises(SandboxCapacityError):
+        again.claim(tmp_path / "root2", "one-too-many")
 
 
 def test_release_and_stale_claims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
