@@ -50,9 +50,9 @@ def _pids_of_uid(uid: int) -> list[int]:
                 status = Path(f"/proc/{entry.name}/status").read_text()
             except OSError:
                 continue
-            real_uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
-            if int(real_uid) == uid:
-                found.append(int(entry.name))
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+                found.append(int(entry.name))  # a zombie has ended; only its parent has not reaped it yet
     return found
 
 
