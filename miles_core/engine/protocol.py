@@ -133,6 +133,11 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
         raise InvalidRequestError("body", f"not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("body", "must be a JSON object")
+    return validate(model, data)
+
+
+def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """Validate a parsed body (a caller in this process); errors as :func:`parse` raises them."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -150,11 +155,17 @@ def to_generation_request(req: ChatCompletionRequest, tokenizer: Any, *, default
         prompt = render_messages(req, tokenizer)
     else:
         raise InvalidRequestError("messages", "give 'messages' or 'input_ids'")
+    sampling = sampling_params(req, prompt_tokens=len(prompt), default_max_tokens=default_max_tokens, room=room)
+    return GenerationRequest(input_ids=prompt, sampling=sampling, request_id=req.rid)
+
+
+def sampling_params(req: ChatCompletionRequest, *, prompt_tokens: int, default_max_tokens: int, room: int) -> SamplingParams:
+    """How a request of ``prompt_tokens`` tokens is sampled (``room``: the engine's max_model_len)."""
     max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     if max_tokens is None:
-        max_tokens = max(1, min(default_max_tokens, room - len(prompt)))
+        max_tokens = max(1, min(default_max_tokens, room - prompt_tokens))
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    sampling = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -164,7 +175,6 @@ def to_generation_request(req: ChatCompletionRequest, tokenizer: Any, *, default
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
     )
-    return GenerationRequest(input_ids=prompt, sampling=sampling, request_id=req.rid)
 
 
 def render_messages(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
@@ -229,7 +239,9 @@ def completion_text(completion: Completion, tokenizer: Any, *, trim_stop: bool) 
     return text
 
 
-def chat_response(req: ChatCompletionRequest, completion: Completion, tokenizer: Any, *, model: str) -> dict[str, Any]:
+def assistant_message(req: ChatCompletionRequest, completion: Completion, tokenizer: Any) -> tuple[dict[str, Any], str]:
+    """The reply's assistant message (text, tool calls parsed when the request offers tools) and
+    its finish reason."""
     text = completion_text(completion, tokenizer, trim_stop=not req.no_stop_trim)
     content, tool_calls = text, []
     if req.tools and req.tool_choice != "none":
@@ -238,7 +250,20 @@ def chat_response(req: ChatCompletionRequest, completion: Completion, tokenizer:
         for special in tokenizer.all_special_tokens:
             content = content.replace(special, "")
     finish_reason = "tool_calls" if tool_calls and completion.finish_reason == "stop" else completion.finish_reason
-    message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": tool_calls or None}
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls or None}, finish_reason
+
+
+def chat_response(
+    req: ChatCompletionRequest,
+    completion: Completion,
+    tokenizer: Any,
+    *,
+    model: str,
+    assistant: tuple[dict[str, Any], str] | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The reply to ``req``; ``assistant``: its :func:`assistant_message`, when already made."""
+    message, finish_reason = assistant or assistant_message(req, completion, tokenizer)
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,
@@ -252,7 +277,7 @@ def chat_response(req: ChatCompletionRequest, completion: Completion, tokenizer:
     return {
         "id": f"chatcmpl-{completion.request_id}",
         "object": "chat.completion",
-        "created": int(time.time()),
+        "created": int(time.time()) if created is None else created,
         "model": req.model or model,
         "choices": [choice],
         "usage": {

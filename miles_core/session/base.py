@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from miles_core.session.families import TemplateFamily
     from miles_core.session.normalize import ChatRequest
     from miles_core.session.tokenizer import Appended
-    from miles_core.session.trajectory import Plan, SampleBatch, SampleOptions, Turn, TurnRecord
+    from miles_core.session.trajectory import Plan, Record, SampleBatch, SampleOptions, Turn
 
 
 class PromptTokenizer(Protocol):
@@ -66,7 +66,7 @@ class PromptTokenizer(Protocol):
 class TrajectoryStore(Protocol):
     def plan(self, request: ChatRequest, tokenizer: PromptTokenizer) -> Plan: ...
 
-    def commit(self, plan: Plan, completion: Completion, record: TurnRecord) -> Turn: ...
+    def commit(self, plan: Plan, completion: Completion, record: Record) -> Turn: ...
 
     def describe(self) -> dict[str, Any]: ...
 

@@ -22,7 +22,7 @@ the tokens it came from, and is refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -72,6 +72,22 @@ def extract_completion(reply: Mapping[str, Any], *, vocab_size: int) -> Completi
         raise _bad("completion_tokens is missing (neither meta_info.completion_tokens nor usage.completion_tokens)")
     if expected != len(token_ids):
         raise _bad(f"completion_tokens={expected} but output_token_logprobs has {len(token_ids)} entries")
+    finish_reason = choice.get("finish_reason")
+    if isinstance(finish_reason, dict):  # SGLang reports {"type": "stop", ...} in meta_info style
+        finish_reason = finish_reason.get("type")
+    weight_version = meta.get("weight_version", reply.get("weight_version"))
+    return make_completion(message, token_ids, logprobs, finish_reason, weight_version)
+
+
+def make_completion(
+    message: Mapping[str, Any],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    finish_reason: Any,
+    weight_version: Any,
+) -> Completion:
+    """A :class:`Completion` from an engine's answer, after the rules every upstream is held to
+    (module docstring; token ids and log-probs already checked: :func:`check_sampled`)."""
     content = message.get("content")
     tool_calls = message.get("tool_calls")
     if content is None and not tool_calls:
@@ -80,9 +96,6 @@ def extract_completion(reply: Mapping[str, Any], *, vocab_size: int) -> Completi
         raise _bad("choices[0].message.content is not a string")
     if tool_calls is not None and not _valid_tool_calls(tool_calls):
         raise _bad("choices[0].message.tool_calls is not a list of {function: {name, arguments}} objects")
-    finish_reason = choice.get("finish_reason")
-    if isinstance(finish_reason, dict):  # SGLang reports {"type": "stop", ...} in meta_info style
-        finish_reason = finish_reason.get("type")
     if finish_reason is not None and not isinstance(finish_reason, str):
         raise _bad("choices[0].finish_reason is not a string")
     if not token_ids and (finish_reason != "length" or content or tool_calls):
@@ -94,7 +107,6 @@ def extract_completion(reply: Mapping[str, Any], *, vocab_size: int) -> Completi
                 else f"finish_reason={finish_reason!r} (only a completion its token limit ended may be empty)"
             )
         )
-    weight_version = meta.get("weight_version", reply.get("weight_version"))
     assistant: Message = {"role": "assistant", "content": content}
     for name in ("tool_calls", "reasoning_content"):
         if message.get(name) is not None:
@@ -108,6 +120,27 @@ def extract_completion(reply: Mapping[str, Any], *, vocab_size: int) -> Completi
     )
 
 
+def check_sampled(token_ids: Sequence[int], logprobs: Sequence[float], vocab_size: int) -> None:
+    """The checks :func:`extract_completion` applies to ``[logprob, token_id]`` pairs, for an
+    engine called in-process (typed ids and log-probs, no pairs)."""
+    if len(token_ids) != len(logprobs):
+        raise _bad(f"the engine returned {len(token_ids)} token ids but {len(logprobs)} log-probs")
+    if token_ids and not _plausible(token_ids, logprobs, vocab_size):
+        _split_pairs([[logprob, token_id] for logprob, token_id in zip(logprobs, token_ids)], vocab_size)
+
+
+def _plausible(token_ids: Sequence[Any], logprobs: Sequence[Any], vocab_size: int) -> bool:
+    """The bulk check of the common case: plain ints in the vocabulary, finite log-probs <= 0."""
+    return (
+        set(map(type, token_ids)) == {int}
+        and min(token_ids) >= 0
+        and max(token_ids) < vocab_size
+        and set(map(type, logprobs)) <= {float, int}
+        and max(logprobs) <= 0
+        and math.isfinite(sum(logprobs))  # no -inf or NaN among them
+    )
+
+
 def _split_pairs(pairs: list[Any], vocab_size: int) -> tuple[list[int], list[float]]:
     """Token ids (in ``[0, vocab_size)``) and log-probs of ``[logprob, token_id]`` pairs: a bulk
     check for the common case (completions run to thousands of tokens), then a per-entry pass
@@ -116,16 +149,8 @@ def _split_pairs(pairs: list[Any], vocab_size: int) -> tuple[list[int], list[flo
     if pairs and set(map(type, pairs)) == {list} and min(map(len, pairs)) >= 2:
         token_ids = list(map(itemgetter(1), pairs))
         logprobs = list(map(itemgetter(0), pairs))
-        logprob_types = set(map(type, logprobs))
-        if (
-            set(map(type, token_ids)) == {int}
-            and min(token_ids) >= 0
-            and max(token_ids) < vocab_size
-            and logprob_types <= {float, int}
-            and max(logprobs) <= 0
-            and math.isfinite(sum(logprobs))  # no -inf or NaN among them
-        ):
-            return token_ids, logprobs if logprob_types == {float} else list(map(float, logprobs))
+        if _plausible(token_ids, logprobs, vocab_size):
+            return token_ids, logprobs if set(map(type, logprobs)) == {float} else list(map(float, logprobs))
     token_ids, logprobs = [], []
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (list, tuple)) or len(pair) < 2:
@@ -145,13 +170,18 @@ def _split_pairs(pairs: list[Any], vocab_size: int) -> tuple[list[int], list[flo
     return token_ids, logprobs
 
 
-def client_reply(reply: Mapping[str, Any]) -> dict[str, Any]:
-    """The reply returned to the agent: the upstream reply without replay data in ``meta_info``."""
+def client_reply(reply: Mapping[str, Any], *, logprobs: bool = True) -> dict[str, Any]:
+    """The reply returned to the agent: the upstream reply without replay data in ``meta_info``,
+    and without OpenAI ``logprobs`` unless the agent asked for them (``logprobs=False``: the
+    session server asks the engine for them on its own account)."""
     choices = []
     for choice in reply.get("choices") or ():
-        meta = choice.get("meta_info")
-        if isinstance(meta, dict) and any(k in meta for k in REPLAY_META_FIELDS):
-            choice = {**choice, "meta_info": {k: v for k, v in meta.items() if k not in REPLAY_META_FIELDS}}
+        if isinstance(choice, dict):
+            meta = choice.get("meta_info")
+            if isinstance(meta, dict) and any(k in meta for k in REPLAY_META_FIELDS):
+                choice = {**choice, "meta_info": {k: v for k, v in meta.items() if k not in REPLAY_META_FIELDS}}
+            if not logprobs and choice.get("logprobs") is not None:
+                choice = {**choice, "logprobs": None}
         choices.append(choice)
     return {**reply, "choices": choices}
 

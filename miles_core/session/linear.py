@@ -19,10 +19,10 @@ from miles_core.session.errors import Conflict, InvalidRequest
 from miles_core.session.normalize import ChatRequest
 from miles_core.session.trajectory import (
     Plan,
+    Record,
     SampleBatch,
     SampleOptions,
     Turn,
-    TurnRecord,
     assemble_samples,
     build_turn,
     deepest_match,
@@ -56,7 +56,7 @@ class LinearStore:
             raise Conflict(f"session reached max_turns={self.max_turns}")
         return plan_turn(request, attach, tokenizer, revision=self._revision)
 
-    def commit(self, plan: Plan, completion: Completion, record: TurnRecord) -> Turn:
+    def commit(self, plan: Plan, completion: Completion, record: Record) -> Turn:
         if plan.revision != self._revision:
             raise Conflict(
                 "the session changed while this generation was in flight; v1 records one linear "

@@ -10,10 +10,10 @@ the flags the recording depends on, which a client cannot override.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles_core import strict_json
 from miles_core.session.errors import InvalidRequest
@@ -72,6 +72,13 @@ class _ChatBody(_Strict):
     input_ids: None = None  # owned by the session server; any value is rejected
 
 
+class _ChatTail(_ChatBody):
+    """:class:`_ChatBody` for a request whose leading messages repeat a :class:`History`:
+    ``messages`` holds only the new ones (none when the history is resent unchanged)."""
+
+    messages: list[_Message] = Field(default_factory=list)
+
+
 class _SamplesBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     max_seq_len: int | None = Field(default=None, ge=1)
@@ -89,6 +96,69 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     forward: dict[str, Any]  # the client body minus transport fields, as sent
+    #: leading messages that repeated the session's :class:`History` (not validated again)
+    repeated: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class History:
+    """The conversation a session last saw, validated: the messages of its last committed request
+    and the assistant message generated for it, canonical, with their match keys.
+
+    Agents resend the whole conversation each turn. A request whose leading messages repeat these
+    has only the messages after them validated and canonicalised (:func:`normalize_chat_object`),
+    so a turn costs what its new messages cost, not what the history does. A leading message
+    repeats an entry when it equals it, or equals it once its ``null`` fields are dropped (how
+    SDKs echo a reply); entries hold only strings, lists, objects and nulls (:func:`_plain`), so
+    equality there means the same JSON -- no ``1`` matching ``1.0`` or ``true`` -- and the
+    message is valid, canonicalises to the entry and has its key.
+    """
+
+    messages: tuple[Message, ...]
+    keys: tuple[MessageKey, ...]
+
+    @classmethod
+    def after(
+        cls, messages: tuple[Message, ...], keys: tuple[MessageKey, ...], assistant: Message, *, repeated: int
+    ) -> History:
+        """The history once ``assistant`` answered a request of ``messages`` (its first
+        ``repeated`` from the previous history); entries end at the first one that cannot be
+        matched by equality."""
+        try:
+            _MESSAGE.validate_python(assistant)  # engine output, held to the rules client messages are
+            reply: tuple[Message, ...] = (canonical_message(assistant),)
+        except (ValidationError, RecursionError):
+            reply = ()
+        messages = (*messages, *reply)
+        keys = (*keys, *map(message_key, reply))
+        end = next((i for i in range(repeated, len(messages)) if not _plain(messages[i])), len(messages))
+        return cls(messages[:end], keys[:end])
+
+    def repeated(self, messages: list[Any]) -> int:
+        """How many leading ``messages`` repeat entries of this history."""
+        known = self.messages
+        count = min(len(messages), len(known))
+        for i in range(count):
+            message, entry = messages[i], known[i]
+            if message != entry and not (
+                type(message) is dict and {k: v for k, v in message.items() if v is not None} == entry
+            ):
+                return i
+        return count
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is made only of strings, lists, dicts and ``None`` (no numbers, no booleans)."""
+    if value is None or type(value) is str:
+        return True
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if type(value) is list:
+        return all(map(_plain, value))
+    return False
+
+
+_MESSAGE: TypeAdapter[_Message] = TypeAdapter(_Message)
 
 
 def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, Any]:
@@ -104,22 +174,43 @@ def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, A
     return data
 
 
-def normalize_chat_request(body: bytes) -> ChatRequest:
-    raw = parse_json_object(body)
-    parsed = _validate(_ChatBody, raw)
-    messages = raw["messages"]
+def normalize_chat_request(body: bytes, history: History | None = None) -> ChatRequest:
+    return normalize_chat_object(parse_json_object(body), history)
+
+
+def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -> ChatRequest:
+    """A chat body (parsed JSON) as a :class:`ChatRequest`; with the session's ``history``, only
+    the messages after those that repeat it are validated and canonicalised (:class:`History`).
+    The result, and the error for a bad request, are the same with or without ``history``."""
+    messages = raw.get("messages")
+    repeated = history.repeated(messages) if history is not None and type(messages) is list else 0
+    parsed: _ChatBody | None = None
+    if repeated:
+        try:
+            parsed = _ChatTail.model_validate({**raw, "messages": messages[repeated:]})
+        except (ValidationError, RecursionError):
+            repeated = 0  # validated whole below, for the error the request gets without a history
+    if parsed is None:
+        parsed = _validate(_ChatBody, raw)
+    assert history is not None or not repeated
+    tail = messages[repeated:]
     try:
-        keys = tuple(map(message_key, messages))
+        keys = tuple(map(message_key, tail))
     except RecursionError:
         raise InvalidRequest("messages: tool-call arguments are nested too deeply") from None
+    canonical = tuple(map(canonical_message, tail))
+    if repeated:
+        assert history is not None
+        keys, canonical = history.keys[:repeated] + keys, history.messages[:repeated] + canonical
     return ChatRequest(
-        messages=tuple(map(canonical_message, messages)),
+        messages=canonical,
         keys=keys,
         tools=raw.get("tools"),
         template_kwargs=dict(raw.get("chat_template_kwargs") or {}),
         stream=parsed.stream,
         include_usage=parsed.stream_options is not None and parsed.stream_options.include_usage,
         forward={k: v for k, v in raw.items() if k not in TRANSPORT_FIELDS},
+        repeated=repeated,
     )
 
 

@@ -33,6 +33,7 @@ from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
 from miles_core.session.errors import MethodNotAllowed, PayloadTooLarge, RouteNotFound, SessionError, bounded
 from miles_core.session.service import SessionService
+from miles_core.session.upstream import HTTPUpstream, Upstream
 from miles_core.strict_json import dumps
 
 logger = logging.getLogger("uvicorn.error")  # the server's log, configured by uvicorn (--log-level)
@@ -61,21 +62,27 @@ def build_app(
     pm: MilesPluginManager | None = None,
     tokenizer: PromptTokenizer | None = None,
     upstream_app: ASGIApp | None = None,
+    upstream: Callable[[PromptTokenizer], Upstream] | None = None,
 ) -> SessionApp:
     """Activate the configured version and load the tokenizer now (fail fast), then return the
     app; the engine client lives from the app's startup to its shutdown.
 
     ``upstream_app``: the engine's ASGI app when it runs in this process; the session server
     then calls it directly instead of over HTTP (``config.upstream_url`` still names it in errors).
+    ``upstream``: makes the :class:`~miles_core.session.upstream.Upstream` itself (given the
+    tokenizer), e.g. an :class:`~miles_core.session.upstream.EngineUpstream` for an embedded
+    engine in this process; ``config.upstream_url`` is then not used.
     """
     version = activate_version(config.version, pm)
     if tokenizer is None:
-        from miles_core.session.tokenizer import ChatTokenizer
+        tokenizer = load_tokenizer(config)
+    return SessionApp(config, version, tokenizer, upstream_app, upstream)
 
-        tokenizer = ChatTokenizer.from_dir(
-            config.tokenizer_dir, chat_template=config.chat_template, family=config.template_family
-        )
-    return SessionApp(config, version, tokenizer, upstream_app)
+
+def load_tokenizer(config: SessionServerConfig) -> PromptTokenizer:
+    from miles_core.session.tokenizer import ChatTokenizer
+
+    return ChatTokenizer.from_dir(config.tokenizer_dir, chat_template=config.chat_template, family=config.template_family)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +108,13 @@ class SessionApp:
         version: SessionVersion,
         tokenizer: PromptTokenizer,
         upstream_app: ASGIApp | None = None,
+        upstream: Callable[[PromptTokenizer], Upstream] | None = None,
     ) -> None:
         self.config = config
         self.version = version
         self.tokenizer = tokenizer
         self.upstream_app = upstream_app
+        self.make_upstream = upstream
         self.service: SessionService | None = None  # set at startup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,23 +129,28 @@ class SessionApp:
         await receive()  # lifespan.startup
         config = self.config
         try:
-            engine = EngineClient(
-                config.upstream_url,
-                timeout=config.upstream_timeout,
-                connect_timeout=config.connect_timeout,
-                connect_retries=config.connect_retries,
-                headers=config.upstream_headers,
-                app=self.upstream_app,
-            )
+            upstream: Upstream
+            if self.make_upstream is not None:
+                upstream = self.make_upstream(self.tokenizer)
+            else:
+                client = EngineClient(
+                    config.upstream_url,
+                    timeout=config.upstream_timeout,
+                    connect_timeout=config.connect_timeout,
+                    connect_retries=config.connect_retries,
+                    headers=config.upstream_headers,
+                    app=self.upstream_app,
+                )
+                upstream = HTTPUpstream(client, vocab_size=self.tokenizer.vocab_size)
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
             return
-        self.service = SessionService(self.version, self.tokenizer, engine, limits=config.limits)
+        self.service = SessionService(self.version, self.tokenizer, upstream, limits=config.limits)
         await send({"type": "lifespan.startup.complete"})
         try:
             await receive()  # lifespan.shutdown
         finally:
-            await engine.aclose()
+            await upstream.aclose()
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:

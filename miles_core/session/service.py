@@ -2,45 +2,57 @@
 
 One chat turn::
 
-    normalize (pure, 400)  ->  store.plan (pure: 400/409/422)  ->  engine call (502)
-        ->  extract_completion (502)  ->  store.commit (the only mutation)
+    normalize (pure, 400)  ->  store.plan (pure: 400/409/422)  ->  upstream.generate (400/502)
+        ->  store.commit (the only mutation)
 
-Everything before ``commit`` is free of side effects, so a request that is rejected or fails
-upstream leaves the session byte-identical. Between the ``await`` on the engine and the commit
-nothing else runs on the event loop, so stores need no locks; a version's ``max_in_flight``
-bounds concurrent generations per session (409 beyond it, never a silent drop).
+The transports differ only at the two ends: the HTTP server (:mod:`.server`) hands in request
+bytes (:meth:`SessionService.chat`) and an in-process caller a parsed body
+(:meth:`SessionService.chat_object`); the upstream is an engine over HTTP or the embedded engine
+in this process (:mod:`.upstream`). Everything before ``commit`` is free of side effects, so a
+request that is rejected or fails upstream leaves the session byte-identical. Between the
+``await`` on the engine and the commit nothing else runs on the event loop, so stores need no
+locks; a version's ``max_in_flight`` bounds concurrent generations per session (409 beyond it,
+never a silent drop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core import strict_json
-from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
-from miles_core.session.completion import client_reply, extract_completion
+from miles_core.session.completion import Completion
 from miles_core.session.config import ServiceLimits
-from miles_core.session.errors import Conflict, InvalidRequest, SessionError, SessionNotFound, UpstreamFailure
+from miles_core.session.errors import Conflict, InvalidRequest, SessionNotFound
 from miles_core.session.normalize import (
+    ChatRequest,
+    History,
+    normalize_chat_object,
     normalize_chat_request,
     normalize_samples_request,
     parse_json_object,
-    upstream_body,
 )
-from miles_core.session.trajectory import SampleOptions, TurnRecord
+from miles_core.session.trajectory import SampleBatch, SampleOptions
+from miles_core.session.upstream import Upstream, upstream_error
+
+__all__ = ["ChatOutcome", "Session", "SessionService", "upstream_error"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ChatOutcome:
-    reply: dict[str, Any]  # what the agent receives (replay data stripped)
+    completion: Completion  # the generated turn as committed
     stream: bool
     include_usage: bool
+    _reply: Callable[[], dict[str, Any]]
+
+    @property
+    def reply(self) -> dict[str, Any]:
+        """What an HTTP agent receives (replay data stripped)."""
+        return self._reply()
 
 
 class Session:
@@ -51,6 +63,8 @@ class Session:
         self.closing = False
         #: tokens in the snapshots of every committed turn: at least what assembling samples reads
         self.committed_tokens = 0
+        #: the conversation as of the last commit: what the next request is likely to repeat
+        self.history: History | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -82,13 +96,13 @@ class SessionService:
         self,
         version: SessionVersion,
         tokenizer: PromptTokenizer,
-        engine: EngineClient,
+        upstream: Upstream,
         *,
         limits: ServiceLimits | None = None,
     ) -> None:
         self.version = version
         self.tokenizer = tokenizer
-        self.engine = engine
+        self.upstream = upstream
         self.limits = limits or ServiceLimits()
         self.instance_id = uuid.uuid4().hex
         self._sessions: dict[str, Session] = {}
@@ -135,39 +149,37 @@ class SessionService:
         self._sessions.pop(session_id, None)
 
     async def chat(self, session_id: str, body: bytes) -> ChatOutcome:
+        """One turn from a request body (JSON bytes, as an HTTP agent sends it)."""
         session = self.get(session_id)
-        request = normalize_chat_request(body)
-        stream, include_usage = request.stream, request.include_usage
+        return await self._turn(session, normalize_chat_request(body, session.history))
+
+    async def chat_object(self, session_id: str, body: dict[str, Any]) -> ChatOutcome:
+        """One turn from a request body already parsed (an agent in this process): the same
+        validation, the same pipeline, no JSON."""
+        session = self.get(session_id)
+        return await self._turn(session, normalize_chat_object(body, session.history))
+
+    async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:
         with session.generation(self.version.max_in_flight):
             plan = session.store.plan(request, self.tokenizer)
-            try:
-                sent = strict_json.dumps(upstream_body(request, plan.prompt_ids))
-            except ValueError as exc:
-                raise InvalidRequest(f"the request cannot be forwarded upstream: {exc}") from None
-            # The parsed history is not needed while the engine generates. Released now, its
-            # ~100 objects per session in flight stay out of every young garbage collection.
-            del request
-            started = time.time()
-            try:
-                reply, received = await self.engine.chat_completions_raw(sent, routing_key=session.id)
-            except EngineError as exc:
-                raise upstream_error(exc) from exc
-            completion = extract_completion(reply, vocab_size=self.tokenizer.vocab_size)
-            turn = session.store.commit(plan, completion, TurnRecord(sent, received, started, time.time()))
+            messages, keys, repeated = request.messages, request.keys, request.repeated
+            stream, include_usage = request.stream, request.include_usage
+            call = self.upstream.generate(request, plan.prompt_ids, routing_key=session.id)
+            del request  # the upstream drops the parsed body once it has what it needs
+            generation = await call
+            turn = session.store.commit(plan, generation.completion, generation.record)
             session.committed_tokens += len(turn.token_ids)
-        return ChatOutcome(client_reply(reply), stream, include_usage)
+            session.history = History.after(messages, keys, generation.completion.message, repeated=repeated)
+        return ChatOutcome(generation.completion, stream, include_usage, generation.reply)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:
         """Validate a samples request; assembling (``assemble``) may then run off the event loop."""
         return self.get(session_id), normalize_samples_request(body)
 
+    def samples(self, session_id: str, options: SampleOptions | None = None) -> SampleBatch:
+        """The session's training samples, typed (an in-process caller)."""
+        return self.get(session_id).store.samples(options or SampleOptions())
+
     def assemble(self, session: Session, options: SampleOptions) -> dict[str, Any]:
         batch = session.store.samples(options).to_dict()
         return {"session_id": session.id, "version": self.version.name, **batch}
-
-
-def upstream_error(exc: EngineError) -> SessionError:
-    """An engine failure as the agent sees it: its own request rejected (400) or upstream (502)."""
-    if isinstance(exc, EngineHTTPError) and exc.status_code in (400, 422):
-        return InvalidRequest(f"the engine rejected the request: {exc.detail}")
-    return UpstreamFailure(f"{type(exc).__name__}: {exc.detail}")

@@ -22,10 +22,10 @@ from miles_core.session.errors import Conflict
 from miles_core.session.normalize import ChatRequest
 from miles_core.session.trajectory import (
     Plan,
+    Record,
     SampleBatch,
     SampleOptions,
     Turn,
-    TurnRecord,
     assemble_samples,
     build_turn,
     deepest_match,
@@ -45,7 +45,7 @@ class TreeStore:
         attach = deepest_match(request.keys, self._roots, lambda turn: self._children.get(turn.seq, ()))
         return plan_turn(request, attach, tokenizer, revision=len(self._turns))
 
-    def commit(self, plan: Plan, completion: Completion, record: TurnRecord) -> Turn:
+    def commit(self, plan: Plan, completion: Completion, record: Record) -> Turn:
         self._check_capacity()  # concurrent plans may all have passed the check in plan()
         turn = build_turn(len(self._turns) + 1, plan, completion, record)
         self._turns.append(turn)

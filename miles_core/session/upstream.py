@@ -1,0 +1,271 @@
+"""The engine edge of the chat pipeline: what :class:`~miles_core.session.service.SessionService`
+needs from its engine, over HTTP or in-process.
+
+An :class:`Upstream` turns a validated request and the prompt ids the store planned into a
+:class:`Generation`: the typed :class:`~miles_core.session.completion.Completion` the store
+commits, the record of the call, and the reply the agent receives. Two implementations:
+
+* :class:`HTTPUpstream` -- an SGLang-compatible engine over HTTP (:class:`EngineClient`): the
+  request goes out as JSON with the server-owned ``input_ids`` and the flags the recording needs,
+  the reply comes back as JSON and is checked by :func:`extract_completion`; the record holds
+  the exact bytes. This is what ``miles session serve`` uses.
+* :class:`EngineUpstream` -- the embedded :class:`~miles_core.engine.engine.Engine` in this
+  process: a :class:`GenerationRequest` in, the engine's typed completion out, held to the same
+  rules (:func:`make_completion`, :func:`check_sampled`); no JSON is written unless someone asks
+  for the record or the reply (``GET /sessions/{id}``, an HTTP agent). Requests handed over in
+  one event-loop iteration reach the engine together (``submit_many``), as a batched
+  ``generate`` would send them.
+
+Both raise the same :class:`~miles_core.session.errors.SessionError` types: 400 for a request the
+engine refuses, 502 for an engine that fails or breaks its contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from miles_core import strict_json
+from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
+from miles_core.session.completion import (
+    Completion,
+    check_sampled,
+    client_reply,
+    extract_completion,
+    make_completion,
+)
+from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFailure
+from miles_core.session.normalize import ChatRequest, upstream_body
+from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
+
+if TYPE_CHECKING:
+    from miles_core.engine import base as engine_base
+    from miles_core.engine.engine import Engine
+
+
+@dataclass(frozen=True, eq=False)
+class Generation:
+    """One engine call: what the store commits, what it records, what the agent receives."""
+
+    completion: Completion
+    record: Record
+    #: the reply to the agent (replay data stripped), built when asked for
+    reply: Callable[[], dict[str, Any]]
+
+
+class Upstream(Protocol):
+    async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HTTPUpstream:
+    """An SGLang-compatible engine over HTTP (see the module doc)."""
+
+    def __init__(self, client: EngineClient, *, vocab_size: int) -> None:
+        self.client = client
+        self.vocab_size = vocab_size
+
+    async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
+        try:
+            sent = strict_json.dumps(upstream_body(request, prompt_ids))
+        except ValueError as exc:
+            raise InvalidRequest(f"the request cannot be forwarded upstream: {exc}") from None
+        asked_logprobs = request.forward.get("logprobs") is True
+        # The parsed history is not needed while the engine generates. Released now, its ~100
+        # objects per session in flight stay out of every young garbage collection.
+        del request
+        started = time.time()
+        try:
+            reply, received = await self.client.chat_completions_raw(sent, routing_key=routing_key)
+        except EngineError as exc:
+            raise upstream_error(exc) from exc
+        completion = extract_completion(reply, vocab_size=self.vocab_size)
+        answer = client_reply(reply, logprobs=asked_logprobs)
+        return Generation(completion, TurnRecord(sent, received, started, time.time()), lambda: answer)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def upstream_error(exc: EngineError) -> SessionError:
+    """An engine failure as the agent sees it: its own request rejected (400) or upstream (502)."""
+    if isinstance(exc, EngineHTTPError) and exc.status_code in (400, 422):
+        return InvalidRequest(f"the engine rejected the request: {exc.detail}")
+    return UpstreamFailure(f"{type(exc).__name__}: {exc.detail}")
+
+
+class EngineUpstream:
+    """The embedded engine called in-process (see the module doc).
+
+    ``tokenizer`` decodes completions into the reply's text (the engine's own tokenizer is used
+    by the threads that serve it; by default this is a copy of it). A call that takes longer
+    than ``timeout`` seconds, or whose caller is cancelled, is aborted in the engine.
+    The upstream belongs to the event loop that first calls it.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        vocab_size: int,
+        tokenizer: Any = None,
+        timeout: float = 600.0,
+        default_max_tokens: int | None = None,
+    ) -> None:
+        from miles_core.engine import protocol
+        from miles_core.engine.server import DEFAULT_MAX_TOKENS
+
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.timeout = timeout
+        self.default_max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
+        self._protocol = protocol
+        self._decoder = _Decoder(tokenizer if tokenizer is not None else copy.deepcopy(engine.tokenizer))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[engine_base.GenerationRequest, asyncio.Future[Any]]] = []
+        self._waiters: dict[Future[Any], asyncio.Future[Any]] = {}  # engine future -> its caller's
+        self._submitted: dict[asyncio.Future[Any], Future[Any]] = {}  # and back, for aborts
+        self._finished: list[Future[Any]] = []
+        self._lock = threading.Lock()
+        self._wakeup_pending = False
+
+    async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
+        from miles_core.engine.base import GenerationRequest, InvalidRequestError
+
+        protocol = self._protocol
+        fields = {k: v for k, v in request.forward.items() if k != "messages"}
+        prompt = tuple(prompt_ids)
+        try:
+            req = protocol.validate(protocol.ChatCompletionRequest, fields)
+            sampling = protocol.sampling_params(
+                req, prompt_tokens=len(prompt), default_max_tokens=self.default_max_tokens, room=self.engine.max_model_len
+            )
+        except InvalidRequestError as exc:
+            raise InvalidRequest(f"the engine rejected the request: {exc}") from None
+        started = time.time()
+        done = await self._generate(GenerationRequest(input_ids=prompt, sampling=sampling, request_id=req.rid))
+        assistant = protocol.assistant_message(req, done, self._decoder)
+        message, finish_reason = assistant
+        check_sampled(done.token_ids, done.logprobs, self.vocab_size)
+        completion = make_completion(message, done.token_ids, done.logprobs, finish_reason, done.weight_version)
+        created = int(started)
+
+        @functools.cache
+        def render() -> tuple[dict[str, Any], dict[str, Any]]:
+            response = protocol.chat_response(req, done, self._decoder, model=self.engine.name, assistant=assistant, created=created)
+            return {**request.forward, "input_ids": list(prompt)}, response
+
+        return Generation(completion, DeferredRecord(render, started, time.time()), lambda: client_reply(render()[1]))
+
+    async def aclose(self) -> None:
+        return None
+
+    # -- batching submissions, delivering completions ---------------------------------------
+
+    async def _generate(self, request: engine_base.GenerationRequest) -> engine_base.Completion:
+        loop = self._loop = self._loop or asyncio.get_running_loop()
+        waiter: asyncio.Future[Any] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._submit)
+        self._pending.append((request, waiter))
+        expiry = loop.call_later(self.timeout, self._expire, waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self._abort(waiter)
+            raise
+        finally:
+            expiry.cancel()
+
+    def _submit(self) -> None:
+        """Queue every request handed over since the last call, in one ``submit_many``."""
+        from miles_core.engine.base import InvalidRequestError
+
+        pending, self._pending = self._pending, []
+        pending = [(request, waiter) for request, waiter in pending if not waiter.done()]
+        if not pending:
+            return
+        try:
+            futures = self.engine.submit_many([request for request, _ in pending])
+        except (InvalidRequestError, RuntimeError):
+            futures = []  # one refused request refuses the batch: submit one by one to find it
+            for request, waiter in pending:
+                try:
+                    futures.append(self.engine.submit(request))
+                except (InvalidRequestError, RuntimeError) as exc:
+                    waiter.set_exception(_engine_failure(exc))
+                    futures.append(None)
+        for (_, waiter), future in zip(pending, futures, strict=True):
+            if future is not None:
+                self._waiters[future] = waiter
+                self._submitted[waiter] = future
+                future.add_done_callback(self._finish)
+
+    def _finish(self, future: Future[Any]) -> None:
+        """Engine thread: hand ``future`` to the event loop, waking it once per batch of them."""
+        with self._lock:
+            self._finished.append(future)
+            if self._wakeup_pending:
+                return
+            self._wakeup_pending = True
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            finished, self._finished = self._finished, []
+            self._wakeup_pending = False
+        for future in finished:
+            waiter = self._waiters.pop(future, None)
+            if waiter is None:
+                continue
+            del self._submitted[waiter]
+            if waiter.done():
+                continue
+            if future.cancelled():
+                waiter.set_exception(UpstreamFailure("the engine dropped the request"))
+            elif future.exception() is not None:
+                waiter.set_exception(_engine_failure(future.exception()))
+            else:
+                waiter.set_result(future.result())
+
+    def _expire(self, waiter: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            self._abort(waiter)
+            waiter.set_exception(UpstreamFailure(f"EngineTimeoutError: the engine did not finish within {self.timeout:g} s"))
+
+    def _abort(self, waiter: asyncio.Future[Any]) -> None:
+        future = self._submitted.pop(waiter, None)
+        if future is not None:
+            del self._waiters[future]
+            self.engine.abort(future)
+
+
+class _Decoder:
+    """The tokenizer calls the engine's reply code makes, its special tokens listed once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.all_special_tokens = tuple(tokenizer.all_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str:
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+
+def _engine_failure(exc: BaseException) -> SessionError:
+    from miles_core.engine.base import InvalidRequestError
+
+    if isinstance(exc, InvalidRequestError):
+        return InvalidRequest(f"the engine rejected the request: {exc}")
+    return UpstreamFailure(f"{type(exc).__name__}: {exc}")
