@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.errors import MilesError
-from miles_core.session.errors import SessionError
+from miles_core.session.errors import SessionError, SessionNotFound
 from miles_core.session.trajectory import Sample, SampleOptions
 
 if TYPE_CHECKING:
@@ -109,10 +109,11 @@ class LocalSessions:
             raise _failed(f"POST /sessions/{session_id}/samples", exc) from None
 
     async def delete(self, session_id: str) -> None:
+        """Close the session (one that is already gone is fine, as over HTTP)."""
         try:
             await self.service.delete(session_id)
-        except SessionError as exc:
-            raise _failed(f"DELETE /sessions/{session_id}", exc) from None
+        except SessionNotFound:
+            return
 
     async def aclose(self) -> None:
         await self.service.upstream.aclose()

@@ -13,17 +13,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles_core import strict_json
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.messages import Message, MessageKey, canonical_message, message_key
+from miles_core.session.tokenizer import BoundedCache
 from miles_core.session.trajectory import SERVER_METADATA_KEYS, SampleOptions
 
 #: set on every upstream request: the recording needs the sampled ids and their log-probs
 FORCED_UPSTREAM_FLAGS: dict[str, Any] = {"logprobs": True, "return_meta_info": True, "no_stop_trim": False}
 #: client fields consumed by the session server and not forwarded upstream
 TRANSPORT_FIELDS = ("stream", "stream_options")
+#: conversations of at most this many messages are remembered once validated (see
+#: :data:`_CONVERSATIONS`): prompts that open episodes, not the long histories :class:`History` covers
+FIRST_TURN_CACHE_MESSAGES = 8
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -161,6 +166,46 @@ def _plain(value: Any) -> bool:
 _MESSAGE: TypeAdapter[_Message] = TypeAdapter(_Message)
 
 
+def exact_json_key(value: Any) -> bytes | None:
+    """``value`` as JSON bytes, if it is made only of JSON's own types (``str``, ``int``,
+    ``float``, ``bool``, ``None``, ``list``, ``dict`` with string keys; no subclasses, no tuples):
+    then equal bytes mean equal values of equal types, and a validation result can be reused.
+    ``None`` for anything else (and for what orjson cannot encode)."""
+    if not _exact(value):
+        return None
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError: an integer beyond 64 bits, nesting deeper than 254
+        return None
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _exact(value: Any) -> bool:
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) is not str or (type(v) not in _SCALARS and not _exact(v)):
+                return False
+        return True
+    if kind is list:
+        for v in value:
+            if type(v) not in _SCALARS and not _exact(v):
+                return False
+        return True
+    return False
+
+
+#: validated conversations by their exact JSON (GRPO opens many sessions on the same prompt):
+#: canonical messages and keys, bounded by the JSON's total size
+_CONVERSATIONS: BoundedCache[tuple[bytes, tuple[Message, ...], tuple[MessageKey, ...]]] = BoundedCache(
+    1 << 24, size=lambda entry: len(entry[0])
+)
+
+
 def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, Any]:
     """Parse ``body`` as a JSON object (strictly: :mod:`miles_core.strict_json`); empty is ``{}``."""
     if not body.strip():
@@ -184,24 +229,34 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
     The result, and the error for a bad request, are the same with or without ``history``."""
     messages = raw.get("messages")
     repeated = history.repeated(messages) if history is not None and type(messages) is list else 0
+    known: tuple[tuple[Message, ...], tuple[MessageKey, ...]] | None = None
+    if repeated:
+        assert history is not None
+        known = history.messages[:repeated], history.keys[:repeated]
+    elif type(messages) is list and messages:
+        seen = _CONVERSATIONS.get(exact_json_key(messages))
+        if seen is not None:
+            repeated, known = len(messages), seen[1:]
     parsed: _ChatBody | None = None
     if repeated:
         try:
             parsed = _ChatTail.model_validate({**raw, "messages": messages[repeated:]})
         except (ValidationError, RecursionError):
-            repeated = 0  # validated whole below, for the error the request gets without a history
+            repeated, known = 0, None  # validated whole below: the error a request gets without a history
     if parsed is None:
         parsed = _validate(_ChatBody, raw)
-    assert history is not None or not repeated
     tail = messages[repeated:]
     try:
         keys = tuple(map(message_key, tail))
     except RecursionError:
         raise InvalidRequest("messages: tool-call arguments are nested too deeply") from None
     canonical = tuple(map(canonical_message, tail))
-    if repeated:
-        assert history is not None
-        keys, canonical = history.keys[:repeated] + keys, history.messages[:repeated] + canonical
+    if known is not None:
+        keys, canonical = known[1] + keys, known[0] + canonical
+    elif len(canonical) <= FIRST_TURN_CACHE_MESSAGES:
+        key = exact_json_key(messages)
+        if key is not None:
+            _CONVERSATIONS.put(key, (key, canonical, keys))
     return ChatRequest(
         messages=canonical,
         keys=keys,

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,14 +62,25 @@ class Session:
         self.closing = False
         #: tokens in the snapshots of every committed turn: at least what assembling samples reads
         self.committed_tokens = 0
-        #: the conversation as of the last commit: what the next request is likely to repeat
-        self.history: History | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._last_turn: tuple[Any, ...] | None = None  # what :attr:`history` is built from
+        self._history: History | None = None
+        self._idle: asyncio.Event | None = None  # made when someone waits
 
-    @contextmanager
-    def generation(self, max_in_flight: int | None) -> Iterator[None]:
-        """Hold one generation slot for the duration of a chat turn."""
+    @property
+    def history(self) -> History | None:
+        """The conversation as of the last commit: what the next request is likely to repeat
+        (built on first use: a session of one turn never needs it)."""
+        if self._last_turn is not None:
+            messages, keys, assistant, repeated = self._last_turn
+            self._history, self._last_turn = History.after(messages, keys, assistant, repeated=repeated), None
+        return self._history
+
+    def committed(self, messages: tuple[Any, ...], keys: tuple[Any, ...], assistant: dict[str, Any], repeated: int) -> None:
+        """Note the request (canonical ``messages`` and their ``keys``) a turn was committed for."""
+        self._last_turn, self._history = (messages, keys, assistant, repeated), None
+
+    def begin_generation(self, max_in_flight: int | None) -> None:
+        """Take one generation slot for a chat turn (:meth:`end_generation` gives it back)."""
         if self.closing:
             raise Conflict(f"session {self.id} is being deleted")
         if max_in_flight is not None and self.in_flight >= max_in_flight:
@@ -79,16 +89,17 @@ class Session:
                 f"allows {max_in_flight}; send the next request after the reply"
             )
         self.in_flight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+
+    def end_generation(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
 
     async def wait_idle(self) -> None:
-        await self._idle.wait()
+        while self.in_flight:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 class SessionService:
@@ -160,7 +171,8 @@ class SessionService:
         return await self._turn(session, normalize_chat_object(body, session.history))
 
     async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:
-        with session.generation(self.version.max_in_flight):
+        session.begin_generation(self.version.max_in_flight)
+        try:
             plan = session.store.plan(request, self.tokenizer)
             messages, keys, repeated = request.messages, request.keys, request.repeated
             stream, include_usage = request.stream, request.include_usage
@@ -169,7 +181,9 @@ class SessionService:
             generation = await call
             turn = session.store.commit(plan, generation.completion, generation.record)
             session.committed_tokens += len(turn.token_ids)
-            session.history = History.after(messages, keys, generation.completion.message, repeated=repeated)
+            session.committed(messages, keys, generation.completion.message, repeated)
+        finally:
+            session.end_generation()
         return ChatOutcome(generation.completion, stream, include_usage, generation.reply)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:

@@ -236,11 +236,19 @@ class BoundedCache(Generic[V]):
         value = self._entries.get(key)
         if value is None:
             value = compute()
-            self._entries[key] = value
-            self._total += self._size(value)
-            while self._total > self._limit:
-                self._total -= self._size(self._entries.pop(next(iter(self._entries))))
+            self.put(key, value)
         return value
+
+    def get(self, key: Hashable) -> V | None:
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, value: V) -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = value
+        self._total += self._size(value)
+        while self._total > self._limit:
+            self._total -= self._size(self._entries.pop(next(iter(self._entries))))
 
 
 def _private_backend(tokenizer: Any) -> Any:

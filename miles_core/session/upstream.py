@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,8 @@ from miles_core.session.completion import (
     make_completion,
 )
 from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFailure
-from miles_core.session.normalize import ChatRequest, upstream_body
+from miles_core.session.normalize import ChatRequest, exact_json_key, upstream_body
+from miles_core.session.tokenizer import BoundedCache
 from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
 
 if TYPE_CHECKING:
@@ -136,15 +136,15 @@ class EngineUpstream:
         self._finished: list[Future[Any]] = []
         self._lock = threading.Lock()
         self._wakeup_pending = False
+        self._requests: BoundedCache[Any] = BoundedCache(256, size=lambda _: 1)  # validated, by fields
 
     async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
         from miles_core.engine.base import GenerationRequest, InvalidRequestError
 
         protocol = self._protocol
-        fields = {k: v for k, v in request.forward.items() if k != "messages"}
         prompt = tuple(prompt_ids)
         try:
-            req = protocol.validate(protocol.ChatCompletionRequest, fields)
+            req = self._engine_request(request.forward)
             sampling = protocol.sampling_params(
                 req, prompt_tokens=len(prompt), default_max_tokens=self.default_max_tokens, room=self.engine.max_model_len
             )
@@ -156,17 +156,24 @@ class EngineUpstream:
         message, finish_reason = assistant
         check_sampled(done.token_ids, done.logprobs, self.vocab_size)
         completion = make_completion(message, done.token_ids, done.logprobs, finish_reason, done.weight_version)
-        created = int(started)
-
-        @functools.cache
-        def render() -> tuple[dict[str, Any], dict[str, Any]]:
-            response = protocol.chat_response(req, done, self._decoder, model=self.engine.name, assistant=assistant, created=created)
-            return {**request.forward, "input_ids": list(prompt)}, response
-
-        return Generation(completion, DeferredRecord(render, started, time.time()), lambda: client_reply(render()[1]))
+        render = _Exchange(request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, int(started))
+        return Generation(completion, DeferredRecord(render, started, time.time()), render.reply)
 
     async def aclose(self) -> None:
         return None
+
+    def _engine_request(self, forward: dict[str, Any]) -> Any:
+        """The request's fields (its messages aside: the prompt is ``input_ids``) validated as
+        the engine's HTTP front validates them. Requests that differ only in ``seed`` -- an RL
+        batch -- share one validation; a seed that is not a plain int in range goes the whole way."""
+        protocol = self._protocol
+        fields = {k: v for k, v in forward.items() if k != "messages" and k != "seed"}
+        seed = forward.get("seed")
+        key = exact_json_key(fields) if seed is None or (type(seed) is int and 0 <= seed < 2**63) else None
+        if key is None:
+            return protocol.validate(protocol.ChatCompletionRequest, {**fields, "seed": seed} if "seed" in forward else fields)
+        req = self._requests.get_or_compute(key, lambda: protocol.validate(protocol.ChatCompletionRequest, fields))
+        return req if seed is None else req.model_copy(update={"seed": seed})
 
     # -- batching submissions, delivering completions ---------------------------------------
 
@@ -252,15 +259,55 @@ class EngineUpstream:
             self.engine.abort(future)
 
 
+class _Exchange:
+    """An in-process engine call as the JSON it would have been: the request the engine's HTTP
+    front would have received and its reply, built on the first call and kept."""
+
+    def __init__(self, forward: dict[str, Any], prompt: tuple[int, ...], req: Any, done: Any,
+                 assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, created: int) -> None:
+        self._parts = (forward, prompt, req, done, assistant, decoder, model, created)
+        self._json: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+    def __call__(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self._json is None:
+            from miles_core.engine import protocol
+
+            forward, prompt, req, done, assistant, decoder, model, created = self._parts
+            response = protocol.chat_response(req, done, decoder, model=model, assistant=assistant, created=created)
+            self._json = {**forward, "input_ids": list(prompt)}, response
+        return self._json
+
+    def reply(self) -> dict[str, Any]:
+        return client_reply(self()[1])
+
+
 class _Decoder:
-    """The tokenizer calls the engine's reply code makes, its special tokens listed once."""
+    """The tokenizer calls the engine's reply code makes: its special tokens listed once, and a
+    fast tokenizer's decoding done by a private copy of its Rust backend (what ``decode`` does
+    when it does not clean up spaces, without ~10 us of Python per call)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.all_special_tokens = tuple(tokenizer.all_special_tokens)
+        self._backend = None
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:
+            return
+        if (
+            isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and type(tokenizer).decode is TokenizersBackend.decode
+            and not tokenizer.clean_up_tokenization_spaces
+        ):
+            from tokenizers import Tokenizer
 
-    def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str:
-        return self._tokenizer.decode(token_ids, **kwargs)
+            self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
 def _engine_failure(exc: BaseException) -> SessionError:
