@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 TARGET = 1.5
+import os as _os
+EXTRA = [s for s in _os.environ.get("AGENTIC_BENCH_SET", "").split(",") if s]
 
 
 def _episodes_per_step() -> int:
@@ -43,7 +45,7 @@ EPISODES = _episodes_per_step()
 
 def _run(path: str, steps: int, out: Path) -> list[float]:
     """One ``miles train --preset tiny`` run on ``path``; ms per episode of each step but the first."""
-    sets = [f'rollout.path="{path}"', "run.stop_at_accuracy=1.0", "run.plot=false", "run.time_limit_s=900"]
+    sets = [f'rollout.path="{path}"', *EXTRA, "run.stop_at_accuracy=1.0", "run.plot=false", "run.time_limit_s=900"]
     command = [sys.executable, "-m", "miles_core", "train", "--preset", "tiny", "--steps", str(steps), "--out", str(out),
                "--no-progress", "--json", *(arg for s in sets for arg in ("--set", s))]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=1200)

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core import strict_json
@@ -44,6 +44,12 @@ from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFail
 from miles_core.session.normalize import ChatRequest, exact_json_key, upstream_body
 from miles_core.session.tokenizer import BoundedCache
 from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
+
+#: results of requests submitted together reach the event loop together: when the last of them is
+#: done, or this long after the first of the rest (each wake-up while the engine works costs it
+#: time: the callbacks run on the event loop's thread, which then holds the GIL the engine's loop
+#: needs between its operations). A lone request is delivered the moment it is done.
+DELIVERY_WINDOW_S = 0.05
 
 if TYPE_CHECKING:
     from miles_core.engine import base as engine_base
@@ -133,9 +139,8 @@ class EngineUpstream:
         self._pending: list[tuple[engine_base.GenerationRequest, asyncio.Future[Any]]] = []
         self._waiters: dict[Future[Any], asyncio.Future[Any]] = {}  # engine future -> its caller's
         self._submitted: dict[asyncio.Future[Any], Future[Any]] = {}  # and back, for aborts
-        self._finished: list[Future[Any]] = []
+        self._batch_of: dict[Future[Any], _Batch] = {}
         self._lock = threading.Lock()
-        self._wakeup_pending = False
         self._requests: BoundedCache[Any] = BoundedCache(256, size=lambda _: 1)  # validated, by fields
 
     async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
@@ -210,29 +215,43 @@ class EngineUpstream:
                 except (InvalidRequestError, RuntimeError) as exc:
                     waiter.set_exception(_engine_failure(exc))
                     futures.append(None)
+        batch = _Batch(sum(future is not None for future in futures))
         for (_, waiter), future in zip(pending, futures, strict=True):
             if future is not None:
                 self._waiters[future] = waiter
                 self._submitted[waiter] = future
+                self._batch_of[future] = batch
+        for future in futures:
+            if future is not None:
                 future.add_done_callback(self._finish)
 
     def _finish(self, future: Future[Any]) -> None:
-        """Engine thread: hand ``future`` to the event loop, waking it once per batch of them."""
+        """Engine thread: note ``future`` done; wake the event loop when its whole batch is done,
+        or -- arming a timer on the first -- :data:`DELIVERY_WINDOW_S` after a part of it is."""
         with self._lock:
-            self._finished.append(future)
-            if self._wakeup_pending:
+            batch = self._batch_of.pop(future)
+            batch.finished.append(future)
+            batch.remaining -= 1
+            if batch.remaining == 0:
+                callback = self._deliver
+            elif not batch.armed:
+                batch.armed, callback = True, self._arm
+            else:
                 return
-            self._wakeup_pending = True
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._deliver)
+            self._loop.call_soon_threadsafe(callback, batch)
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
-    def _deliver(self) -> None:
+    def _arm(self, batch: _Batch) -> None:
+        assert self._loop is not None
+        self._loop.call_later(DELIVERY_WINDOW_S, self._deliver, batch)
+
+    def _deliver(self, batch: _Batch) -> None:
         with self._lock:
-            finished, self._finished = self._finished, []
-            self._wakeup_pending = False
+            finished, batch.finished = batch.finished, []
+            batch.armed = batch.armed and batch.remaining == 0  # the next result re-arms the window
         for future in finished:
             waiter = self._waiters.pop(future, None)
             if waiter is None:
@@ -257,6 +276,15 @@ class EngineUpstream:
         if future is not None:
             del self._waiters[future]
             self.engine.abort(future)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Requests submitted together; results are handed to the event loop together."""
+
+    remaining: int
+    finished: list[Future[Any]] = field(default_factory=list)
+    armed: bool = False  # a delivery of the results so far is scheduled
 
 
 class _Exchange:
