@@ -113,8 +113,8 @@ class EngineUpstream:
 
     ``tokenizer`` decodes completions into the reply's text (the engine's own tokenizer is used
     by the threads that serve it; by default this is a copy of it). A call that takes longer
-    than ``timeout`` seconds, or whose caller is cancelled, is aborted in the engine.
-    The upstream belongs to the event loop that first calls it.
+    than ``timeout`` seconds, or whose caller is cancelled, is aborted in the engine. Calls come
+    from one event loop at a time.
     """
 
     def __init__(
@@ -183,7 +183,9 @@ class EngineUpstream:
     # -- batching submissions, delivering completions ---------------------------------------
 
     async def _generate(self, request: engine_base.GenerationRequest) -> engine_base.Completion:
-        loop = self._loop = self._loop or asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new event loop (the previous one has ended): start afresh
+            self._loop, self._pending = loop, []
         waiter: asyncio.Future[Any] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._submit)
@@ -215,7 +217,8 @@ class EngineUpstream:
                 except (InvalidRequestError, RuntimeError) as exc:
                     waiter.set_exception(_engine_failure(exc))
                     futures.append(None)
-        batch = _Batch(sum(future is not None for future in futures))
+        assert self._loop is not None
+        batch = _Batch(self._loop, sum(future is not None for future in futures))
         for (_, waiter), future in zip(pending, futures, strict=True):
             if future is not None:
                 self._waiters[future] = waiter
@@ -238,15 +241,13 @@ class EngineUpstream:
                 batch.armed, callback = True, self._arm
             else:
                 return
-        assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(callback, batch)
+            batch.loop.call_soon_threadsafe(callback, batch)
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
     def _arm(self, batch: _Batch) -> None:
-        assert self._loop is not None
-        self._loop.call_later(DELIVERY_WINDOW_S, self._deliver, batch)
+        batch.loop.call_later(DELIVERY_WINDOW_S, self._deliver, batch)
 
     def _deliver(self, batch: _Batch) -> None:
         with self._lock:
@@ -282,6 +283,7 @@ class EngineUpstream:
 class _Batch:
     """Requests submitted together; results are handed to the event loop together."""
 
+    loop: asyncio.AbstractEventLoop
     remaining: int
     finished: list[Future[Any]] = field(default_factory=list)
     armed: bool = False  # a delivery of the results so far is scheduled

@@ -156,3 +156,29 @@ def test_first_mismatch_and_alignment() -> None:
     check_aligned([1, 2], [-0.1, -0.2])
     with pytest.raises(TokenInvariantError, match="2 token id"):
         check_aligned([1, 2], [-0.1])
+
+
+def test_client_reply_keeps_openai_logprobs_only_when_asked() -> None:
+    reply = copy.deepcopy(GOOD)
+    reply["choices"][0]["logprobs"] = {"content": [{"token": "h", "logprob": -0.1, "bytes": [104], "top_logprobs": []}]}
+    assert client_reply(reply)["choices"][0]["logprobs"] == reply["choices"][0]["logprobs"]
+    stripped = client_reply(reply, logprobs=False)
+    assert stripped["choices"][0]["logprobs"] is None
+    assert reply["choices"][0]["logprobs"] is not None  # the record keeps what the engine sent
+    assert stripped["choices"][0]["meta_info"]["output_token_logprobs"]  # token-level data is kept
+
+
+def test_in_process_completions_are_held_to_the_same_rules() -> None:
+    from miles_core.session.completion import check_sampled, make_completion
+
+    check_sampled((104, 105), (-0.5, -0.25), VOCAB)
+    for ids, logprobs, expected in [
+        ((104, VOCAB), (-0.5, -0.25), f"token id {VOCAB} is outside the tokenizer's vocabulary"),
+        ((104,), (0.5,), "log-prob 0.5"),
+        ((104, 105), (-0.5,), "2 token ids but 1 log-probs"),
+    ]:
+        with pytest.raises(UpstreamFailure, match=expected):
+            check_sampled(ids, logprobs, VOCAB)
+    with pytest.raises(UpstreamFailure, match="empty completion"):
+        make_completion({"role": "assistant", "content": ""}, (), (), "stop", "0")
+    assert make_completion({"role": "assistant", "content": "", "tool_calls": None}, (), (), "length", 3).weight_version == "3"

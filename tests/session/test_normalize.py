@@ -129,3 +129,101 @@ def test_canonical_message_keeps_exactly_the_rendered_fields(message) -> None:
     calls = tuple(("f", '{"a":1}') for _ in message.get("tool_calls") or ())
     key = (message["role"], expected["content"], message.get("name"), message.get("tool_call_id"), calls)
     assert message_key(message) == key
+
+
+# -- what a session's History and the first-turn cache skip must not change anything -----------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), st.text(max_size=3))
+_arguments = st.one_of(st.text(max_size=6), st.dictionaries(st.sampled_from("ab"), _scalars, max_size=2))
+_tool_call = st.fixed_dictionaries(
+    {"function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]), "arguments": _arguments})},
+    optional={"id": st.one_of(st.none(), st.text(max_size=3)), "type": st.sampled_from(["function", "other"])},
+)
+_content = st.one_of(
+    st.none(), st.text(max_size=4), st.integers(0, 2),
+    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=3)}), max_size=2),
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"])},
+    optional={
+        "content": _content,
+        "name": st.one_of(st.none(), st.text(max_size=3), st.integers(0, 1)),
+        "tool_calls": st.one_of(st.none(), st.lists(_tool_call, max_size=2)),
+        "tool_call_id": st.one_of(st.none(), st.text(max_size=3)),
+        "refusal": st.none(),
+    },
+)
+
+
+def _outcome(raw, history=None):
+    from miles_core.session.normalize import normalize_chat_object
+
+    try:
+        return normalize_chat_object(json.loads(json.dumps(raw)), history)
+    except InvalidRequest as exc:
+        return str(exc)
+
+
+def _echo(message, how):
+    """``message`` as a client might send it back."""
+    if how == "same":
+        return message
+    if how == "nulls":
+        return {**message, "tool_calls": message.get("tool_calls"), "name": message.get("name"), "refusal": None}
+    if how == "parts" and isinstance(message.get("content"), str):
+        return {**message, "content": [{"type": "text", "text": message["content"]}]}
+    if how == "numbers":  # the same JSON text value, another JSON type: must not be taken as a repeat
+        return json.loads(json.dumps(message).replace('"a": 1', '"a": 1.0').replace("true", "1"))
+    return message
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    previous=st.lists(_message, min_size=1, max_size=4),
+    assistant=_message,
+    echo=st.lists(st.sampled_from(["same", "nulls", "parts", "numbers"]), min_size=6, max_size=6),
+    cut=st.integers(0, 6),
+    tail=st.lists(_message, max_size=2),
+    extra=st.dictionaries(st.sampled_from(["n", "stream", "max_tokens", "input_ids"]), _scalars, max_size=1),
+)
+def test_history_changes_neither_result_nor_error(previous, assistant, echo, cut, tail, extra) -> None:
+    from miles_core.session.normalize import History, normalize_chat_object
+
+    first = _outcome({"messages": previous})
+    if isinstance(first, str):
+        return  # a session's history is made of requests it accepted
+    assistant = {**assistant, "role": "assistant"}
+    history = History.after(first.messages, first.keys, assistant, repeated=0)
+    resent = [_echo(m, how) for m, how in zip([*previous, assistant], echo)][:cut] + tail
+    body = {"messages": resent, **extra}
+    with_history, without = _outcome(body, history), _outcome(body)
+    assert with_history == without
+    if not isinstance(without, str):
+        again = normalize_chat_object(json.loads(json.dumps(body)))  # the first-turn cache, warm now
+        assert again == without
+
+
+def test_the_first_turn_cache_keys_on_json_types() -> None:
+    """A conversation validated once is reused only for the same JSON, types included: an
+    in-process caller's tuple, or 1 where 1.0 was, goes through validation again."""
+    from miles_core.session.normalize import normalize_chat_object
+
+    messages = [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1.0}}}]}]
+    accepted = normalize_chat_object({"messages": messages})
+    assert normalize_chat_object({"messages": messages}) == accepted
+    with pytest.raises(InvalidRequest, match="messages"):
+        normalize_chat_object({"messages": tuple(messages)})
+    with_int = normalize_chat_object({"messages": [{**messages[0], "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]})
+    assert with_int.keys != accepted.keys  # {"a": 1} and {"a": 1.0} render differently
+
+
+def test_a_repeated_history_is_not_validated_again() -> None:
+    """The point of History: a resent conversation costs its new messages only."""
+    from miles_core.session import normalize
+
+    first = normalize.normalize_chat_object({"messages": [{"role": "user", "content": f"q{i}"} for i in range(50)]})
+    history = normalize.History.after(first.messages, first.keys, {"role": "assistant", "content": "a"}, repeated=0)
+    resent = [*({"role": "user", "content": f"q{i}"} for i in range(50)), {"role": "assistant", "content": "a", "tool_calls": None}]
+    request = normalize.normalize_chat_object({"messages": [*resent, {"role": "user", "content": "next"}]}, history)
+    assert request.repeated == 51 and request.messages[:51] == history.messages
+    assert all(a is b for a, b in zip(request.messages, history.messages))  # the same objects, not copies
