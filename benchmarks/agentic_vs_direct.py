@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 
 TARGET = 1.5
-import os as _os
-EXTRA = [s for s in _os.environ.get("AGENTIC_BENCH_SET", "").split(",") if s]
 
 
 def _episodes_per_step() -> int:
@@ -43,9 +41,9 @@ def _episodes_per_step() -> int:
 EPISODES = _episodes_per_step()
 
 
-def _run(path: str, steps: int, out: Path) -> list[float]:
+def _run(path: str, steps: int, out: Path, extra: list[str]) -> list[float]:
     """One ``miles train --preset tiny`` run on ``path``; ms per episode of each step but the first."""
-    sets = [f'rollout.path="{path}"', *EXTRA, "run.stop_at_accuracy=1.0", "run.plot=false", "run.time_limit_s=900"]
+    sets = [f'rollout.path="{path}"', *extra, "run.stop_at_accuracy=1.0", "run.plot=false", "run.time_limit_s=900"]
     command = [sys.executable, "-m", "miles_core", "train", "--preset", "tiny", "--steps", str(steps), "--out", str(out),
                "--no-progress", "--json", *(arg for s in sets for arg in ("--set", s))]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=1200)
@@ -60,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="agentic/direct run pairs, alternating order")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first is warm-up)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="another setting for both sides (repeatable)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 2:
         parser.error("--rounds must be >= 1 and --steps >= 2")
@@ -70,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="miles-agentic-bench-") as tmp:
         for r in range(args.rounds):
             for path in ("agentic", "direct") if r % 2 == 0 else ("direct", "agentic"):
-                ms = _run(path, args.steps, Path(tmp) / f"{path}-{r}")
+                ms = _run(path, args.steps, Path(tmp) / f"{path}-{r}", args.set)
                 per_path[path] += ms
                 runs.append({"path": path, "median_ms_per_episode": round(statistics.median(ms), 4)})
     agentic, direct = statistics.median(per_path["agentic"]), statistics.median(per_path["direct"])
@@ -80,6 +80,7 @@ def main() -> None:
         "episodes_per_step": EPISODES,
         "rounds": args.rounds,
         "steps": args.steps,
+        "settings": args.set,
         "agentic_ms_per_episode": round(agentic, 4),
         "direct_ms_per_episode": round(direct, 4),
         "ratio": round(agentic / direct, 4),
