@@ -303,6 +303,7 @@ def main() -> None:
     server.start()
     server_url, server_pid = server_queue.get(timeout=120)
     pids = {"load_generator": os.getpid(), "session_server": server_pid, "stub": stub_pid}
+    print(f"processes: {json.dumps(pids)}", file=sys.stderr, flush=True)  # e.g. for a profiler
     rounds: list[tuple[dict, dict]] = []
     lost = 0
     try:

@@ -178,19 +178,20 @@ def sampling_params(req: ChatCompletionRequest, *, prompt_tokens: int, default_m
 
 
 def render_messages(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    from miles_core.chat_template import ChatTemplate
+
+    renderer = ChatTemplate.of(tokenizer)
     try:
-        encoded = tokenizer.apply_chat_template(
-            req.messages,
+        text = renderer.render(
+            req.messages or [],
             tools=req.tools,
+            template_kwargs=req.chat_template_kwargs,
             add_generation_prompt=not req.continue_final_message,
             continue_final_message=req.continue_final_message,
-            tokenize=True,
-            return_dict=True,
-            **(req.chat_template_kwargs or {}),
         )
     except Exception as exc:  # jinja errors, bad message shapes: the client's input
         raise InvalidRequestError("messages", f"cannot be rendered by the chat template: {exc}") from None
-    return list(encoded["input_ids"])
+    return list(renderer.encode(text))
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles_core import strict_json
+from miles_core.caching import BoundedCache, exact_json_key
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.messages import Message, MessageKey, canonical_message, message_key
-from miles_core.session.tokenizer import BoundedCache
 from miles_core.session.trajectory import SERVER_METADATA_KEYS, SampleOptions
 
 #: set on every upstream request: the recording needs the sampled ids and their log-probs
@@ -164,39 +163,6 @@ def _plain(value: Any) -> bool:
 
 
 _MESSAGE: TypeAdapter[_Message] = TypeAdapter(_Message)
-
-
-def exact_json_key(value: Any) -> bytes | None:
-    """``value`` as JSON bytes, if it is made only of JSON's own types (``str``, ``int``,
-    ``float``, ``bool``, ``None``, ``list``, ``dict`` with string keys; no subclasses, no tuples):
-    then equal bytes mean equal values of equal types, and a validation result can be reused.
-    ``None`` for anything else (and for what orjson cannot encode)."""
-    if not _exact(value):
-        return None
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # orjson.JSONEncodeError: an integer beyond 64 bits, nesting deeper than 254
-        return None
-
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
-def _exact(value: Any) -> bool:
-    kind = type(value)
-    if kind in _SCALARS:
-        return True
-    if kind is dict:
-        for k, v in value.items():
-            if type(k) is not str or (type(v) not in _SCALARS and not _exact(v)):
-                return False
-        return True
-    if kind is list:
-        for v in value:  # noqa: SIM110  (a loop: all() over a generator costs twice as much here)
-            if type(v) not in _SCALARS and not _exact(v):
-                return False
-        return True
-    return False
 
 
 #: validated conversations by their exact JSON (GRPO opens many sessions on the same prompt):

@@ -13,14 +13,13 @@ mismatch fails at start-up instead of drifting tokens silently.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-import orjson
-
+from miles_core.caching import BoundedCache, exact_json_key
+from miles_core.chat_template import ChatTemplate
 from miles_core.errors import ConfigError
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.families import TemplateFamily, detect_family, family_named
@@ -34,8 +33,6 @@ DUMMY_HISTORY: tuple[Message, ...] = (
 )
 
 
-#: token ids of rendered first-turn prompts kept for reuse (GRPO sends each prompt many times)
-PROMPT_CACHE_TOKENS = 1 << 18
 #: renderings of the dummy history kept, one per tools + template kwargs (one per agent setup)
 DUMMY_CACHE_ENTRIES = 256
 
@@ -53,19 +50,14 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer: Any, family: TemplateFamily, *, source: str) -> None:
         self._tok = tokenizer
-        self._backend = _private_backend(tokenizer)
+        self._template = ChatTemplate(tokenizer)
         self.family = family
         self.source = source
         self.vocab_size = len(tokenizer)  # the base vocabulary and every added token
-        self._reserved = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
         self.stop_id = self._single_token(family.stop_token) if family.stop_token else None
         self.reopening_ids = frozenset(self._single_token(t) for t in family.reopening_stops)
         self._close_after_stop = family.assistant_close[len(family.stop_token or "") :]
         self._dummy_cache: BoundedCache[str] = BoundedCache(DUMMY_CACHE_ENTRIES, size=lambda _: 1)
-        # a template that reads the clock (strftime_now) renders differently over time
-        self._prompt_cache: BoundedCache[tuple[int, ...]] | None = (
-            None if "strftime_now" in (tokenizer.chat_template or "") else BoundedCache(PROMPT_CACHE_TOKENS, size=len)
-        )
         self._check_family()
 
     @classmethod
@@ -101,15 +93,12 @@ class ChatTokenizer:
     def render_prompt(
         self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any]
     ) -> tuple[int, ...]:
-        """Token ids of a whole conversation followed by the generation prompt."""
-
-        def render() -> tuple[int, ...]:
-            return self.encode(self._render(messages, tools, template_kwargs, generation_prompt=True))
-
-        key = _render_key(messages, tools, template_kwargs)
-        if self._prompt_cache is None or key is None:
-            return render()
-        return self._prompt_cache.get_or_compute(key, render)
+        """Token ids of a whole conversation followed by the generation prompt (cached)."""
+        self._check_kwargs(template_kwargs)
+        try:
+            return self._template.prompt_ids(messages, tools=tools, template_kwargs=template_kwargs)
+        except _RENDER_ERRORS as exc:
+            raise _unrenderable(exc) from exc
 
     def render_append(
         self,
@@ -142,13 +131,11 @@ class ChatTokenizer:
         def render() -> str:
             return self._render(DUMMY_HISTORY, tools, template_kwargs, generation_prompt=False)
 
-        key = _render_key((), tools, template_kwargs)
+        key = exact_json_key([tools, dict(template_kwargs)])
         return render() if key is None else self._dummy_cache.get_or_compute(key, render)
 
     def encode(self, text: str) -> tuple[int, ...]:
-        if self._backend is not None:
-            return tuple(self._backend.encode(text, add_special_tokens=False).ids)
-        return tuple(self._tok.encode(text, add_special_tokens=False))
+        return self._template.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -161,21 +148,18 @@ class ChatTokenizer:
         *,
         generation_prompt: bool,
     ) -> str:
-        clash = self._reserved.intersection(template_kwargs)
+        self._check_kwargs(template_kwargs)
+        try:
+            return self._template.render(
+                messages, tools=tools, template_kwargs=template_kwargs, add_generation_prompt=generation_prompt
+            )
+        except _RENDER_ERRORS as exc:
+            raise _unrenderable(exc) from exc
+
+    def _check_kwargs(self, template_kwargs: Mapping[str, Any]) -> None:
+        clash = self._template.reserved.intersection(template_kwargs)
         if clash:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
-        from jinja2 import TemplateError
-
-        try:
-            return self._tok.apply_chat_template(
-                list(messages),
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-                **template_kwargs,
-            )
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise InvalidRequest(f"the chat template cannot render this request: {type(exc).__name__}: {exc}") from exc
 
     def _single_token(self, text: str) -> int:
         ids = self._tok.encode(text, add_special_tokens=False)
@@ -209,61 +193,14 @@ class ChatTokenizer:
             )
 
 
-def _render_key(
-    messages: Sequence[Message], tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any]
-) -> bytes | None:
-    """What a rendering depends on, as exact bytes: key order kept (``tojson`` in a template
-    keeps it too), ``1`` and ``1.0`` and ``true`` apart. ``None`` if orjson cannot encode it."""
-    try:
-        return orjson.dumps([messages, tools, template_kwargs])
-    except TypeError:  # orjson.JSONEncodeError: an integer beyond 64 bits, deep nesting, a non-JSON value
-        return None
+def _unrenderable(exc: Exception) -> InvalidRequest:
+    return InvalidRequest(f"the chat template cannot render this request: {type(exc).__name__}: {exc}")
 
 
-V = TypeVar("V")
+def _render_errors() -> tuple[type[Exception], ...]:
+    from jinja2 import TemplateError
+
+    return (TemplateError, TypeError, ValueError, KeyError, AttributeError)
 
 
-class BoundedCache(Generic[V]):
-    """Values by key, the oldest evicted once their total ``size`` exceeds ``limit``."""
-
-    def __init__(self, limit: int, *, size: Callable[[V], int]) -> None:
-        self._limit = limit
-        self._size = size
-        self._total = 0
-        self._entries: dict[Hashable, V] = {}
-
-    def get_or_compute(self, key: Hashable, compute: Callable[[], V]) -> V:
-        value = self._entries.get(key)
-        if value is None:
-            value = compute()
-            self.put(key, value)
-        return value
-
-    def get(self, key: Hashable) -> V | None:
-        return self._entries.get(key)
-
-    def put(self, key: Hashable, value: V) -> None:
-        if key in self._entries:
-            return
-        self._entries[key] = value
-        self._total += self._size(value)
-        while self._total > self._limit:
-            self._total -= self._size(self._entries.pop(next(iter(self._entries))))
-
-
-def _private_backend(tokenizer: Any) -> Any:
-    """A private copy of a fast tokenizer's Rust backend, set up as ``tokenizer.encode(text,
-    add_special_tokens=False)`` sets up the shared one (no truncation or padding, special tokens
-    split as configured), or ``None`` for a tokenizer without one. Calling it directly skips
-    ~25 us of Python per call and the batch path's thread pool; a copy, so nothing that changes
-    the caller's tokenizer settings later can change what this one encodes."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    from tokenizers import Tokenizer
-
-    private = Tokenizer.from_str(backend.to_str())
-    private.no_truncation()
-    private.no_padding()
-    private.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
-    return private
+_RENDER_ERRORS = _render_errors()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core import strict_json
+from miles_core.caching import BoundedCache, exact_json_key
 from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
 from miles_core.session.completion import (
     Completion,
@@ -41,8 +42,7 @@ from miles_core.session.completion import (
     make_completion,
 )
 from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFailure
-from miles_core.session.normalize import ChatRequest, exact_json_key, upstream_body
-from miles_core.session.tokenizer import BoundedCache
+from miles_core.session.normalize import ChatRequest, upstream_body
 from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
 
 #: results of requests submitted together reach the event loop together: when the last of them is

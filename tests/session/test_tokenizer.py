@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from miles_core.assets.tiny_tokenizer import build_tokenizer
+from miles_core.caching import BoundedCache
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.families import detect_family
-from miles_core.session.tokenizer import DUMMY_HISTORY, BoundedCache, ChatTokenizer
+from miles_core.session.tokenizer import DUMMY_HISTORY, ChatTokenizer
 
 register_cpu_ci(est_time=19, suite="stage-a-cpu")
 
@@ -179,7 +180,7 @@ def test_encode_equals_the_hugging_face_tokenizer(tmp_path, split_special_tokens
 
     from transformers import AutoTokenizer
 
-    from miles_core.session.tokenizer import _private_backend
+    from miles_core.chat_template import _private_backend
 
     directory = _tokenizer_dir(tmp_path, GLM_TEMPLATE, GLM_SPECIALS)
     hf = AutoTokenizer.from_pretrained(str(directory), split_special_tokens=split_special_tokens)
@@ -204,8 +205,8 @@ def test_first_turn_prompts_are_cached_by_exact_content(tokenizer_dir, monkeypat
     ``tojson`` renders differently) and 1 vs 1.0 are different prompts, never a cache hit."""
     tok, fresh = ChatTokenizer.from_dir(tokenizer_dir), ChatTokenizer.from_dir(tokenizer_dir)
     renders = []
-    render = tok._render
-    monkeypatch.setattr(tok, "_render", lambda *a, **k: renders.append(a) or render(*a, **k))
+    render = tok._template.render
+    monkeypatch.setattr(tok._template, "render", lambda *a, **k: renders.append(a) or render(*a, **k))
     messages = ({"role": "user", "content": "2+2="},)
     tool = {"type": "function", "function": {"name": "add", "parameters": {"a": 1}}}
     reordered = {"function": {"parameters": {"a": 1}, "name": "add"}, "type": "function"}
@@ -225,4 +226,4 @@ def test_prompt_cache_is_bounded_and_off_for_clock_reading_templates(tmp_path) -
     assert cache.get_or_compute("huge", lambda: tuple(range(9))) == tuple(range(9)) and cache._total <= 5
     template = "{% set year = strftime_now('%Y') %}" + GLM_TEMPLATE
     clock = ChatTokenizer.from_dir(_tokenizer_dir(tmp_path, template, GLM_SPECIALS))
-    assert clock._prompt_cache is None
+    assert clock._template._prompts is None

@@ -21,10 +21,12 @@ if TYPE_CHECKING:
 
 
 def render_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """Chat-template models get the rendered chat; others the plain prompt text."""
+    """Chat-template models get the rendered chat (:class:`~miles_core.chat_template.ChatTemplate`,
+    the renderer the session server uses too); others the plain prompt text."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        from miles_core.chat_template import ChatTemplate
+
+        return list(ChatTemplate.of(tokenizer).prompt_ids(prompt.chat()))
     return list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
 
 
