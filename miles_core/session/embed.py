@@ -13,6 +13,7 @@ the thread.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import socket
 import threading
@@ -60,9 +61,60 @@ def uvicorn_server(
     import uvicorn
 
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s
+        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s,
+        http=coalescing_http_protocol(),
     )
     return uvicorn.Server(config)
+
+
+def coalescing_http_protocol() -> Any:
+    """uvicorn's httptools protocol, writing each response's head and body in one ``send``.
+
+    uvicorn writes a response's status line and headers as soon as the app starts the response
+    and the body when it sends it: two system calls and two TCP segments per reply, and a client
+    woken twice to read one reply. The session server always has the whole body at hand
+    (:func:`~miles_core.session.server.send_reply` sends both messages back to back), so the
+    head waits for it -- at most until the event loop's next iteration, for a reply without a body
+    (HEAD, or a 1xx) -- and every byte keeps its order.
+    """
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(_CoalescingTransport(transport))
+
+    return CoalescingHttpToolsProtocol
+
+
+class _CoalescingTransport:
+    """A transport that holds a response head back until the next write (see above)."""
+
+    __slots__ = ("_transport", "_head")
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        elif data.startswith(b"HTTP/1.1 ") and data.endswith(b"\r\n\r\n"):
+            self._head = data
+            asyncio.get_running_loop().call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            data, self._head = self._head, None
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False) -> None:

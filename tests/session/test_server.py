@@ -230,3 +230,50 @@ def test_an_internal_error_is_a_bounded_500_and_changes_nothing(tokenizer_dir, c
             finally:
                 logging.getLogger("uvicorn.error").removeHandler(log)
     assert any(r.exc_info and "secret detail" in str(r.exc_info[1]) for r in log.records)  # the traceback is logged
+
+
+def test_a_reply_head_and_body_go_out_in_one_write() -> None:
+    """The session server's uvicorn protocol joins each response's head and body into one send
+    (one TCP segment, one wake-up of the client); a head without a body still goes out, and
+    nothing is reordered."""
+    import asyncio
+
+    from miles_core.session.embed import _CoalescingTransport
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def close(self) -> None:
+            self.closed = True
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+    async def run() -> Recorder:
+        inner = Recorder()
+        transport = _CoalescingTransport(inner)
+        transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+        transport.write(b"{}")
+        assert inner.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"]
+        transport.write(b"HTTP/1.1 204 No Content\r\n\r\n")  # no body follows
+        assert len(inner.writes) == 1
+        await asyncio.sleep(0)
+        assert inner.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n"
+        transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        transport.close()  # flushes what it holds first
+        assert inner.writes[-1] == b"HTTP/1.1 200 OK\r\n\r\n" and inner.closed and transport.is_closing()
+        return inner
+
+    assert len(asyncio.run(run()).writes) == 3
+
+
+def test_head_requests_are_answered(serve) -> None:
+    harness = serve("v1")
+    response = harness.client.head("/health")
+    assert response.status_code == 200 and response.content == b""
+    assert harness.client.get("/health").json()["status"] == "ok"  # the connection is still in order
