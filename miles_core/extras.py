@@ -27,7 +27,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "engine": ("torch", "transformers", "tokenizers", "jinja2", "safetensors", "starlette", "uvicorn",
                "httptools", "httpx", "orjson"),
     "train": ("torch", "transformers", "tokenizers", "jinja2", "safetensors", "starlette", "uvicorn",
-              "httptools", "httpx", "orjson", "matplotlib", "numpy", "aiohttp"),
+              "httptools", "httpx", "orjson", "matplotlib", "numpy"),
     "megatron": ("torch", "megatron", "psutil"),
     "ray": ("ray",),
 }

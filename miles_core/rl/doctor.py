@@ -15,7 +15,7 @@ from miles_core.doctor import CheckResult
 from miles_core.errors import ConfigError
 from miles_core.plugins import Contribution, MilesPluginManager
 
-REQUIRED_MODULES = ("transformers", "safetensors", "matplotlib", "aiohttp")
+REQUIRED_MODULES = ("transformers", "safetensors", "matplotlib")
 OPTIONAL_MODULES = {"ray": "--orchestrator ray", "megatron.core": "trainer.backend = megatron"}
 
 #: concern -> the word the report uses for its objects

@@ -1,7 +1,6 @@
 """Run a session server (or any ASGI app) in a background thread on a loopback port.
 
-The agentic rollout of ``miles train`` starts the session server in-process next to the embedded
-engine::
+A process that serves the HTTP API next to its own work (a Ray engine actor) starts it with::
 
     with serve_in_thread(SessionServerConfig(upstream_url=engine_url, tokenizer_dir=tok)) as url:
         ...  # POST f"{url}/sessions", ...
@@ -169,15 +168,16 @@ def serve_in_thread(
     pm: MilesPluginManager | None = None,
     tokenizer: PromptTokenizer | None = None,
     upstream_app: Any = None,
+    upstream: Any = None,
 ) -> Iterator[str]:
     """Build the session server for ``config`` (activation errors raise here) and serve it.
 
-    ``upstream_app``: the engine's ASGI app when the engine runs in this process (see
-    :func:`~miles_core.session.server.build_app`): each turn then calls it directly, ~16% less
-    time per rollout of the tiny ``miles train`` preset than going through its HTTP server.
+    ``upstream_app`` (the engine's ASGI app) or ``upstream`` (a factory of an
+    :class:`~miles_core.session.upstream.Upstream`, e.g. an ``EngineUpstream``): for an engine in
+    this process, see :func:`~miles_core.session.server.build_app`.
     """
     from miles_core.session.server import build_app
 
-    app = build_app(config, pm=pm, tokenizer=tokenizer, upstream_app=upstream_app)
+    app = build_app(config, pm=pm, tokenizer=tokenizer, upstream_app=upstream_app, upstream=upstream)
     with run_app_in_thread(app, host=host, port=port) as url:
         yield url

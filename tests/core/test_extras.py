@@ -19,11 +19,11 @@ README = Path(__file__).parents[2] / "README.md"
 
 
 def test_a_missing_extra_is_named_with_its_install_command(monkeypatch) -> None:
-    monkeypatch.setattr(extras.importlib.util, "find_spec", lambda name: None if name in ("matplotlib", "aiohttp") else object())
+    monkeypatch.setattr(extras.importlib.util, "find_spec", lambda name: None if name in ("matplotlib", "numpy") else object())
     with pytest.raises(extras.MissingExtraError) as caught:
         extras.require("train", "miles train")
     message = str(caught.value)
-    assert message == ("miles train needs the 'train' extra (matplotlib, aiohttp not installed): "
+    assert message == ("miles train needs the 'train' extra (matplotlib, numpy not installed): "
                        "pip install 'miles[train]'")
     assert caught.value.exit_code == 2
 

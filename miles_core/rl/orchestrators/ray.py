@@ -27,7 +27,7 @@ from miles_core.rl.tasks import Prompt
 
 
 class EngineWorker:
-    """Hosts the embedded engine (and, for the agentic path, its HTTP server + session server)."""
+    """Hosts the embedded engine (and, for the agentic path, a session server in front of it)."""
 
     def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any], num_prompts: int) -> None:
         import torch
@@ -47,21 +47,20 @@ class EngineWorker:
         self._stack: Any = None
 
     def serve_sessions(self) -> str:
-        """Start the engine's HTTP server and a session server in front of it; their URL."""
+        """Start a session server calling this actor's engine in-process; its URL."""
         from contextlib import ExitStack
 
-        from miles_core.engine.server import create_app
         from miles_core.plugins import get_plugin_manager
         from miles_core.session.config import SessionServerConfig
-        from miles_core.session.embed import run_app_in_thread, serve_in_thread
+        from miles_core.session.embed import serve_in_thread
+        from miles_core.session.upstream import EngineUpstream
 
         self._stack = ExitStack()
-        engine_app = create_app(self.engine)
-        engine_url = self._stack.enter_context(run_app_in_thread(engine_app))
         url = self._stack.enter_context(serve_in_thread(
-            SessionServerConfig(upstream_url=engine_url, tokenizer_dir=self.model_dir,
+            SessionServerConfig(upstream_url="http://engine.in-process", tokenizer_dir=self.model_dir,
                                 version=self.config.rollout.session_version),
-            host="0.0.0.0", pm=get_plugin_manager(), upstream_app=engine_app,
+            host="0.0.0.0", pm=get_plugin_manager(),
+            upstream=lambda tokenizer: EngineUpstream(self.engine, vocab_size=tokenizer.vocab_size),
         ))
         import ray
 
