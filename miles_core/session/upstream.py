@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -141,7 +142,7 @@ class EngineUpstream:
         self._submitted: dict[asyncio.Future[Any], Future[Any]] = {}  # and back, for aborts
         self._batch_of: dict[Future[Any], _Batch] = {}
         self._lock = threading.Lock()
-        self._requests: BoundedCache[Any] = BoundedCache(256, size=lambda _: 1)  # validated, by fields
+        self._requests: BoundedCache[tuple[Any, Any]] = BoundedCache(256, size=lambda _: 1)  # validated, by fields
 
     async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
         from miles_core.engine.base import GenerationRequest, InvalidRequestError
@@ -149,10 +150,7 @@ class EngineUpstream:
         protocol = self._protocol
         prompt = tuple(prompt_ids)
         try:
-            req = self._engine_request(request.forward)
-            sampling = protocol.sampling_params(
-                req, prompt_tokens=len(prompt), default_max_tokens=self.default_max_tokens, room=self.engine.max_model_len
-            )
+            req, sampling = self._engine_request(request.forward, len(prompt))
         except InvalidRequestError as exc:
             raise InvalidRequest(f"the engine rejected the request: {exc}") from None
         started = time.time()
@@ -167,18 +165,35 @@ class EngineUpstream:
     async def aclose(self) -> None:
         return None
 
-    def _engine_request(self, forward: dict[str, Any]) -> Any:
-        """The request's fields (its messages aside: the prompt is ``input_ids``) validated as
-        the engine's HTTP front validates them. Requests that differ only in ``seed`` -- an RL
-        batch -- share one validation; a seed that is not a plain int in range goes the whole way."""
+    def _engine_request(self, forward: dict[str, Any], prompt_tokens: int) -> tuple[Any, engine_base.SamplingParams]:
+        """The request's fields (its messages aside: the prompt is ``input_ids``) validated as the
+        engine's HTTP front validates them, and how to sample it.
+
+        Requests that differ only in ``seed`` -- an RL batch -- share one validation (and, when
+        they set ``max_tokens``, one set of sampling parameters, re-seeded); a seed that is not a
+        plain int in range goes the whole way. The validated request is used for everything but
+        sampling, which alone reads the seed."""
         protocol = self._protocol
         fields = {k: v for k, v in forward.items() if k != "messages" and k != "seed"}
         seed = forward.get("seed")
         key = exact_json_key(fields) if seed is None or (type(seed) is int and 0 <= seed < 2**63) else None
         if key is None:
-            return protocol.validate(protocol.ChatCompletionRequest, {**fields, "seed": seed} if "seed" in forward else fields)
-        req = self._requests.get_or_compute(key, lambda: protocol.validate(protocol.ChatCompletionRequest, fields))
-        return req if seed is None else req.model_copy(update={"seed": seed})
+            req = protocol.validate(protocol.ChatCompletionRequest, {**fields, "seed": seed} if "seed" in forward else fields)
+            return req, self._sampling(req, prompt_tokens)
+        entry = self._requests.get(key)
+        if entry is None:
+            req = protocol.validate(protocol.ChatCompletionRequest, fields)
+            fixed = req.max_tokens is not None or req.max_completion_tokens is not None
+            entry = (req, self._sampling(req, prompt_tokens) if fixed else None)  # else it depends on the prompt
+            self._requests.put(key, entry)
+        req, template = entry
+        sampling = template if template is not None else self._sampling(req, prompt_tokens)
+        return req, sampling if seed is None else dataclasses.replace(sampling, seed=seed)
+
+    def _sampling(self, req: Any, prompt_tokens: int) -> engine_base.SamplingParams:
+        return self._protocol.sampling_params(
+            req, prompt_tokens=prompt_tokens, default_max_tokens=self.default_max_tokens, room=self.engine.max_model_len
+        )
 
     # -- batching submissions, delivering completions ---------------------------------------
 
