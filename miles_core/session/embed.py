@@ -88,7 +88,7 @@ def coalescing_http_protocol() -> Any:
 class _CoalescingTransport:
     """A transport that holds a response head back until the next write (see above)."""
 
-    __slots__ = ("_transport", "_head")
+    __slots__ = ("_head", "_transport")
 
     def __init__(self, transport: Any) -> None:
         self._transport = transport

@@ -5,7 +5,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=16, suite="stage-a-cpu")
 
 pytest.importorskip("miles_core.session.embed")
 pytest.importorskip("miles_core.testing.engine_stub")
@@ -93,3 +93,59 @@ def test_the_agentic_rollout_function_conforms_against_a_session_server(tmp_path
         stack.callback(context.aio.close)
         trajectories = assert_rollout_conforms(AgenticRolloutFunction(), context)
     assert len(trajectories) == 6 and all(t.turns == 1 for t in trajectories)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    pytest.importorskip("torch")
+    import torch
+
+    from miles_core.engine.engine import Engine, EngineConfig
+    from miles_core.engine.presets import preset_dir
+
+    torch.set_num_threads(1)
+    directory = preset_dir("tiny")
+    with Engine.from_pretrained(directory, EngineConfig(max_batch_size=16)) as engine:
+        yield engine, directory
+
+
+def test_in_process_sessions_equal_a_session_server(tiny_engine):
+    """``miles train``'s agentic rollout calls the session service in this process (no server);
+    its trajectories are those of the same engine behind a session server over HTTP, seed for
+    seed: the same tokens, masks and texts, and log-probs equal up to the float noise of other
+    batch shapes (requests reach the engine in other groups over HTTP: fp32 sums in another
+    order, ~1e-7 relative here)."""
+    from contextlib import ExitStack
+
+    from transformers import AutoTokenizer
+
+    from miles_core.plugins import get_plugin_manager
+    from miles_core.rl.rollout.agentic import AgenticRollout
+    from miles_core.session.client import LocalSessions
+    from miles_core.session.config import SessionServerConfig
+    from miles_core.session.embed import serve_in_thread
+    from miles_core.session.upstream import EngineUpstream
+    from miles_core.testing.rollout import PROMPTS, make_context
+
+    engine, directory = tiny_engine
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    with ExitStack() as stack:
+        context = make_context(engine=engine, tokenizer=tokenizer, model_dir=directory)
+        stack.callback(context.aio.close)
+        local = AgenticRollout.start(context)
+        stack.callback(local.close)
+        assert isinstance(local.sessions, LocalSessions)  # no server was started
+        url = stack.enter_context(serve_in_thread(
+            SessionServerConfig(upstream_url="http://engine.in-process", tokenizer_dir=directory), pm=get_plugin_manager(),
+            upstream=lambda tok: EngineUpstream(engine, vocab_size=tok.vocab_size),
+        ))
+        remote = AgenticRollout(url, tokenizer, context.config.rollout, context.config.run.seed, context.aio)
+        stack.callback(remote.close)
+        batch = [p for p in PROMPTS for _ in range(2)]
+        here, there = local.run(batch, step=3), remote.run(batch, step=3)
+        assert local.run(batch, step=3) == here  # the same batch the same way: bitwise the same
+    for a, b in zip(here, there, strict=True):
+        assert (a.token_ids, a.loss_mask, a.completion, a.first_token, a.finish_reason, a.weight_version) == (
+            b.token_ids, b.loss_mask, b.completion, b.first_token, b.finish_reason, b.weight_version)
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
+    assert len({t.token_ids for t in here}) > 1  # different seeds sampled different episodes

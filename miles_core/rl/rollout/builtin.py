@@ -67,7 +67,8 @@ class AgenticRolloutFunction:
         check_declarations(self.name, self.provides, self.settings)
         if not callable(getattr(AgenticRollout, "run", None)):
             raise TypeError("AgenticRollout has no run()")
-        require_module("aiohttp", "train")  # the episodes' HTTP client
+        for module in ("jinja2", "httptools"):  # the session service's chat templates, the HTTP client's pool
+            require_module(module, "train")
 
 
 BUILTIN_ROLLOUTS = (DirectRolloutFunction(), AgenticRolloutFunction())
