@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -188,7 +187,13 @@ class EngineUpstream:
             self._requests.put(key, entry)
         req, template = entry
         sampling = template if template is not None else self._sampling(req, prompt_tokens)
-        return req, sampling if seed is None else dataclasses.replace(sampling, seed=seed)
+        if seed is None:
+            return req, sampling
+        # re-seeded without running the checks again: they passed on ``sampling``, and the seed is
+        # a plain int in [0, 2**63) -- SamplingParams' own rule for it (key is None otherwise)
+        seeded = copy.copy(sampling)
+        object.__setattr__(seeded, "seed", seed)
+        return req, seeded
 
     def _sampling(self, req: Any, prompt_tokens: int) -> engine_base.SamplingParams:
         return self._protocol.sampling_params(
