@@ -280,14 +280,50 @@ def parse_override(text: str) -> dict[str, Any]:
     return nested
 
 
+#: what a config file in another format is called, by extension
+_OTHER_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON", ".ini": "INI", ".cfg": "INI"}
+
+_TOML_HINT = "config files are TOML: one [section] table per section, key = value lines (see docs/train.md)"
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    other = _OTHER_FORMATS.get(path.suffix.lower())
+    if other is not None:
+        raise ConfigError(f"config file {path}: {_TOML_HINT}; this file is named as {other}")
     try:
-        return tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: {exc}") from None
+        looks = _looks_like(text)
+        hint = f"; {_TOML_HINT}; this file looks like {looks}" if looks else ""
+        raise ConfigError(f"config file {path}: {exc}{hint}") from None
+
+
+def _looks_like(text: str) -> str | None:
+    """``"YAML"`` or ``"JSON"`` when ``text`` (not valid TOML) parses as a mapping in that format."""
+    import json
+
+    try:
+        if isinstance(json.loads(text), dict):
+            return "JSON"
+    except ValueError:
+        pass
+    import yaml
+
+    try:
+        if isinstance(yaml.safe_load(text), dict):
+            return "YAML"
+    except yaml.YAMLError:
+        pass
+    return None
 
 
 #: settings that exclude each other: a layer that sets one drops the other from the layers below
@@ -340,8 +376,54 @@ def load_config(
         config = TrainConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
-    registry.check_config(config, pm, source)
+    problems = _check_names(config, pm)
+    try:
+        registry.check_config(config, pm, source)
+    except ConfigError as exc:
+        problems.append(str(exc).removeprefix(f"invalid training config ({source}): "))
+    if problems:
+        raise ConfigError(f"invalid training config ({source}): " + "; ".join(problems))
     return config
+
+
+def _check_names(config: TrainConfig, pm: MilesPluginManager) -> list[str]:
+    """The task, the engine model preset and the device type name something installed."""
+    from miles_core.engine.presets import PRESETS as MODEL_PRESETS
+    from miles_core.rl import registry
+
+    problems = []
+    try:
+        registry.lookup(pm, "tasks", config.task.name, "task.name", "task")
+    except ConfigError as exc:
+        problems.append(str(exc))
+    preset = config.model.preset
+    if preset is not None and preset not in MODEL_PRESETS:
+        problems.append(f"model.preset: unknown engine preset {preset!r}" + registry.did_you_mean(preset, list(MODEL_PRESETS)))
+    problem = _device_problem(config.trainer.device, pm)
+    if problem:
+        problems.append(problem)
+    return problems
+
+
+def _device_problem(setting: str, pm: MilesPluginManager) -> str | None:
+    """Why ``trainer.device`` names no device of the installed hardware backends (None if it does).
+
+    Only the form is checked here (no torch): whether this machine has the device is checked
+    when the run starts (:mod:`miles_core.rl.preflight`).
+    """
+    import re
+
+    from miles_core.rl import registry
+
+    types = sorted({"cpu", *(str(c.obj.device_type) for c in pm.contributions("hardware"))})
+    match = re.fullmatch(r"([a-z_]+)(:\d+)?", setting)
+    if setting == "auto" or (match is not None and match.group(1) in types):
+        return None
+    kind = match.group(1) if match else setting
+    return (
+        f"trainer.device: {setting!r} is neither auto nor TYPE[:INDEX] with a device type of the installed "
+        f"hardware backends" + registry.did_you_mean(kind, types)
+    )
 
 
 def format_validation_error(exc: ValidationError, source: str) -> str:
@@ -352,10 +434,40 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             section = ".".join(str(p) for p in err["loc"][:-1])
-            message = f"unknown setting{' in ' + section if section else ''}"
+            what = "section" if not section and isinstance(err["input"], Mapping) else "setting"
+            message = f"unknown {what}{' in ' + section if section else ''}" + _setting_hint(err["loc"], err["input"])
         got = f" (got {err['input']!r})" if err["type"] not in ("extra_forbidden", "value_error") else ""
         lines.append(f"{where}: {message}{got}")
     return f"invalid training config ({source}): " + "; ".join(lines)
+
+
+def _setting_hint(loc: tuple[int | str, ...], value: Any) -> str:
+    """``; did you mean algorithm.lr?`` for an unknown setting: the settings of any section with
+    that key, else the closest keys by spelling; for an unknown section, the settings its keys name
+    or the closest section."""
+    import difflib
+
+    if len(loc) > 2:
+        return ""  # inside a free-form table (run.tracker_options.<name>): checked where it is read
+    by_key: dict[str, list[str]] = {}
+    for dotted, _, _ in describe_settings():
+        by_key.setdefault(dotted.split(".")[1], []).append(dotted)
+    keys = [str(loc[-1])]
+    if len(loc) == 1 and isinstance(value, Mapping):  # `traner.lr`: a section that does not exist
+        keys = [str(k) for k in value]
+        sections = list(TrainConfig.model_fields)
+        named = sorted({d for k in keys for d in by_key.get(k, [])})
+        if not named:
+            named = difflib.get_close_matches(str(loc[0]), sections, n=1, cutoff=0.6)
+        return f"; did you mean {' or '.join(named)}?" if named else ""
+    named = sorted({d for k in keys for d in by_key.get(k, [])})
+    if not named:
+        close = difflib.get_close_matches(keys[0], list(by_key), n=2, cutoff=0.75)
+        section = str(loc[0]) if len(loc) == 2 else None
+        named = sorted({d for k in close for d in by_key[k] if section is None or d.startswith(section + ".")}) or sorted(
+            {d for k in close for d in by_key[k]}
+        )
+    return f"; did you mean {' or '.join(named)}?" if named else ""
 
 
 def describe_settings() -> list[tuple[str, str, Any]]:

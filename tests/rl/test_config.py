@@ -32,7 +32,7 @@ def test_model_path_replaces_preset_model():
     ("override", "needle"),
     [
         ("rollout.bogus=1", "rollout.bogus: unknown setting in rollout"),
-        ("nonsense.key=1", "nonsense: unknown setting"),
+        ("nonsense.key=1", "nonsense: unknown section"),
         ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt must be >= 2"),
         ("run.steps=0", "run.steps: Input should be greater than or equal to 1"),
         ("rollout.max_turns=3", "rollout.max_turns > 1 needs rollout.path = 'agentic'"),
@@ -49,6 +49,17 @@ def test_model_path_replaces_preset_model():
         ("orchestrator.rollout_workers=2", "orchestrator.rollout_workers > 1 needs orchestrator.kind = 'ray'"),
         ('run.tracker_options.wandb.mode="offline"', "run.tracker_options.wandb is set but run.trackers does not include 'wandb'"),
         ("algorithm.minibatches=1000", "algorithm.minibatches (1000) exceeds the samples per step"),
+        ("trainer.lr=0.1", "trainer.lr: unknown setting in trainer; did you mean algorithm.lr?"),
+        ('out_dir="x"', "out_dir: unknown setting; did you mean run.out_dir?"),
+        ("rollout.sample_per_prompt=3", "rollout.sample_per_prompt: unknown setting in rollout; did you mean rollout.samples_per_prompt?"),
+        ("algorithm.device=1", "did you mean trainer.device?"),
+        ("traner.lr=1", "traner: unknown section; did you mean algorithm.lr?"),
+        ("traner.nothing=1", "traner: unknown section; did you mean trainer?"),
+        ('task.name="nope"', "task.name: unknown task 'nope' (installed: arith-add, arith-next)"),
+        ('task.name="arith-nxt"', "did you mean 'arith-next'?"),
+        ('model.preset="small"', "model.preset: unknown engine preset 'small'"),
+        ('trainer.device="tpu"', "trainer.device: 'tpu' is neither auto nor TYPE[:INDEX] with a device type of the installed hardware backends (installed: cpu, cuda)"),
+        ('trainer.device="cuda:x"', "trainer.device: 'cuda:x' is neither"),
     ],
 )
 def test_bad_settings_name_the_setting(override, needle):
@@ -69,6 +80,38 @@ def test_bad_files_and_presets(tmp_path):
         load_config(file=bad)
     with pytest.raises(ConfigError, match=r"expected SECTION\.KEY=VALUE"):
         parse_override("no-equals-sign")
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
+def test_device_forms_of_the_installed_backends_pass(device):
+    assert load_config("tiny", overrides=[f'trainer.device="{device}"']).trainer.device == device
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        ("run.yaml", "run:\n  steps: 3\n", "this file is named as YAML"),
+        ("run.yml", "[run]\nsteps = 3\n", "this file is named as YAML"),
+        ("run.json", '{"run": {"steps": 3}}', "this file is named as JSON"),
+        ("run.toml", "run:\n  steps: 3\n  seed: 1\n", "this file looks like YAML"),
+        ("run.conf", '{"run": {"steps": 3}}', "this file looks like JSON"),
+    ],
+)
+def test_config_files_in_other_formats_are_told_to_be_toml(tmp_path, name, text, needle):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(file=path)
+    assert f"config file {path}" in str(info.value) and "config files are TOML" in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_a_broken_toml_file_is_not_called_yaml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\nsteps = = 3\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(file=bad)
+    assert "line 2" in str(info.value) and "YAML" not in str(info.value)
 
 
 def test_override_values_are_toml_or_strings():
