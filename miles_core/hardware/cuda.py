@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from miles_core.hardware.base import CheckpointIOPolicy, Detection, HardwareBackend, torch_build
+import os
+
+from miles_core.hardware.base import ENV_OVERRIDE, CheckpointIOPolicy, Detection, HardwareBackend, torch_build
 
 
 class CudaBackend(HardwareBackend):
@@ -32,3 +34,16 @@ class CudaBackend(HardwareBackend):
         import torch
 
         return torch.cuda.device_count()
+
+    def verify(self) -> None:
+        """The declarations, then that torch here is a CUDA build that sees a GPU: detection may
+        have been overridden (``MILES_HARDWARE=cuda``), so this proves it rather than trusting it.
+
+        It asks the runtime for its devices (no tensor is made on one): the Ray driver verifies
+        its backend too, and must not hold a context on a GPU its actors train on.
+        """
+        super().verify()
+        detection = self.detect()
+        if not detection.claimed:
+            chosen = f" ({ENV_OVERRIDE}={os.environ[ENV_OVERRIDE]})" if os.environ.get(ENV_OVERRIDE) else ""
+            raise RuntimeError(f"CUDA is not usable here{chosen}: {detection.reason}")
