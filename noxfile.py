@@ -129,11 +129,23 @@ def packaging(session: nox.Session) -> None:
 
 
 def _check_train_extra(session: nox.Session, venv: Path, wheels: Path, tmp: Path) -> None:
-    """``pip install "miles[train]"`` (torch already there) runs the README's main job."""
+    """``pip install "miles[train]"`` (torch already there) runs the README's main job twice in a row
+    in one directory, as a newcomer repeating it would: each run gets its own run directory and
+    ``runs/tiny/latest`` points at the second."""
     session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--find-links", str(wheels),
                 "miles[train]", external=True)
-    session.run(str(venv / "bin" / "miles"), "train", "--preset", "tiny", "--set", "run.steps=2", "--no-progress",
-                "--out", str(tmp / "train-run"), external=True, env={"MILES_CACHE_DIR": str(tmp / "cache")})
+    work = tmp / "main-job"
+    work.mkdir()
+    with session.chdir(work):
+        for _ in range(2):
+            session.run(str(venv / "bin" / "miles"), "train", "--preset", "tiny", "--set", "run.steps=2",
+                        "--no-progress", external=True, env={"MILES_CACHE_DIR": str(tmp / "cache")})
+    runs = work / "runs" / "tiny"
+    made = sorted(p for p in runs.iterdir() if p.is_dir() and not p.is_symlink())
+    if len(made) != 2 or (runs / "latest").resolve() != made[-1].resolve():
+        session.error(f"two runs of the main job should leave two run directories and latest -> the second; "
+                      f"found {[p.name for p in runs.iterdir()]}")
+    session.log(f"main job twice: {[p.name for p in made]}, latest -> {made[-1].name}")
 
 
 #: what `pip install miles` may add to a fresh venv's site-packages (README: the core stays small)

@@ -244,9 +244,10 @@ def _disk_full(exc: BaseException) -> bool:
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume under settings that change what the steps compute (run length may grow)."""
-    # run.out_dir is where the run lives, not what it computes: a moved run, or one named by a
-    # relative path, is the same run
-    ignored = {("run", "steps"), ("run", "progress"), ("run", "plot"), ("run", "out_dir"), ("orchestrator", "kind"),
+    # run.out_dir and run.runs_dir are where the run lives, not what it computes: a moved run, or
+    # one named by a relative path, is the same run
+    ignored = {("run", "steps"), ("run", "progress"), ("run", "plot"), ("run", "out_dir"), ("run", "runs_dir"),
+               ("orchestrator", "kind"),
                ("orchestrator", "address"), ("run", "checkpoint_every"), ("run", "keep_checkpoints"),
                ("run", "trackers"), ("run", "tracker_options")}
     diffs = []

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from typing import Any
 
 import click
@@ -31,16 +34,19 @@ _FLAG_SETTINGS = {
     "--set SECTION.KEY=VALUE; flags are shorthands for the most common ones. Layers apply in "
     "order: --preset, --config, then flags and --set.",
 )
-@click.option("--preset", default=None, help="start from a named config: tiny (2-core CPU, minutes) or small-gpu (one GPU).")
+@click.option("--preset", default=None, help="start from a named config: tiny (2-core CPU, under a minute) or small-gpu (one GPU).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="TOML file with [model], [task], [rollout], [reward], [algorithm], [trainer], [orchestrator], [run] tables.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="override one setting (repeatable); VALUE is parsed as TOML, else taken as a string.")
 @click.option("--steps", type=int, default=None, help="training steps (run.steps).")
 @click.option("--seed", type=int, default=None, help="seed of prompt order, sampling and initialisation (run.seed).")
-@click.option("--out", default=None, help="run directory for metrics.jsonl, plot.png, checkpoints/ (run.out_dir).")
+@click.option("--out", default=None,
+              help="run directory for metrics.jsonl, summary.json, plot.png, checkpoints/ (run.out_dir); without it "
+              "each run gets a new directory under run.runs_dir, linked as <runs_dir>/latest.")
 @click.option("--checkpoint-every", type=int, default=None, help="checkpoint each N steps; 0: only at the end (run.checkpoint_every).")
-@click.option("--resume", is_flag=True, help="continue from the latest complete checkpoint in the run directory.")
+@click.option("--resume", is_flag=True,
+              help="continue the run in --out (without --out: <runs_dir>/latest) from its newest intact checkpoint.")
 @click.option("--orchestrator", default=None,
               help="where the engine, trainer and rollout workers run: inprocess, ray, or a plugin's (orchestrator.kind).")
 @click.option("--ray-address", default=None, help="Ray cluster address; implies --orchestrator ray (orchestrator.address).")
@@ -67,10 +73,17 @@ def train(
     The algorithm, rollout function, trainer backend, orchestrator and trackers are plugin
     contributions named in the config (`miles plugins list` shows what is installed).
 
-    `miles train --preset tiny` runs the whole loop on a 2-core CPU in under a minute: the tiny
-    Qwen3.5 model learns to answer "n+1=", rollouts go through the session server, answers are
-    checked in the local sandbox.
+    `miles train --preset tiny` runs the whole loop on a 2-core CPU: the tiny Qwen3.5 model learns
+    to answer "n+1=", rollouts go through the session server, answers are checked in the local
+    sandbox. Measured on a shared 2-core CPU (seeds 0-4): greedy accuracy 0.11 -> 1.00 in 18-26
+    steps, 30-57 s including start-up.
+
+    Each run without --out gets a new directory under run.runs_dir (runs/tiny/YYYYmmdd-HHMMSS
+    for the tiny preset), linked as runs/tiny/latest; --resume continues latest. Ctrl-C stops
+    after the step in flight with a checkpoint, summary.json and plot.png (exit status 130); a
+    second Ctrl-C aborts at once.
     """
+    started = _clock_origin()
     from miles_core.extras import require
     from miles_core.rl.config import load_config
 
@@ -94,6 +107,9 @@ def train(
         return
     if as_json:
         config = config.model_copy(update={"run": config.run.model_copy(update={"progress": False})})
+    from miles_core.rl.preflight import choose_run_dir
+
+    choose_run_dir(config, resume=resume)  # its errors come before torch is imported; the loop checks the rest
     require("train", "miles train")
     if config.trainer.backend == "megatron":
         require("megatron", "trainer.backend = 'megatron'")
@@ -102,17 +118,57 @@ def train(
 
     from miles_core.rl.orchestrators import run_training
 
-    result = run_training(config, get_plugin_manager(), resume=resume)
+    try:
+        result = run_training(config, get_plugin_manager(), resume=resume, started=started)
+        signal.signal(signal.SIGINT, _exit_interrupted)  # the run is over: a Ctrl-C now only exits
+    except KeyboardInterrupt:
+        click.echo("aborted (Ctrl-C): the run stopped where it was; its last checkpoint, if any, is kept", err=True)
+        sys.exit(INTERRUPTED)
     summary = result.summary()
     if as_json:
         sys.stdout.write(json.dumps(summary, default=str) + "\n")
-        return
-    click.echo(
-        f"done: {summary['steps']} steps in {summary['seconds']:.1f}s; greedy accuracy "
-        f"{_fmt(summary['initial_accuracy'])} -> {_fmt(summary['final_accuracy'])}; "
-        f"max train-rollout log-prob mismatch {_fmt(summary['max_logprob_mismatch'], '.2e')}"
-    )
-    click.echo(f"metrics: {summary['metrics']}" + (f"  plot: {summary['plot']}" if summary["plot"] else ""))
+    else:
+        verb = "interrupted" if summary["interrupted"] else "done"
+        click.echo(
+            f"{verb}: {summary['steps']} steps in {summary['seconds']:.1f}s; greedy accuracy "
+            f"{_fmt(summary['initial_accuracy'])} -> {_fmt(summary['final_accuracy'])}; "
+            f"max train-rollout log-prob mismatch {_fmt(summary['max_logprob_mismatch'], '.2e')}"
+        )
+        click.echo(f"metrics: {summary['metrics']}" + (f"  plot: {summary['plot']}" if summary["plot"] else ""))
+        if summary["interrupted"]:
+            click.echo("continue it with the same command and --resume", err=True)
+    if summary["interrupted"]:
+        sys.exit(INTERRUPTED)
+
+
+#: exit status of a run stopped by Ctrl-C (128 + SIGINT, what shells report)
+INTERRUPTED = 130
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    """SIGINT once the run has ended (summary written): exit at once, also during interpreter
+    teardown, where a KeyboardInterrupt would print a traceback and end the process by the signal."""
+    os.write(2, b"aborted (Ctrl-C)\n")
+    os._exit(INTERRUPTED)
+
+
+def _clock_origin() -> float:
+    """The ``time.perf_counter()`` value the run's clock starts at: this process's start, so the
+    progress bar and the summary count start-up (Python, imports) too.
+
+    Linux only (``/proc/self/stat``), else now. A process older than a fresh ``miles`` ever is
+    at this point (a test runner or notebook invoking the command) starts the clock now instead:
+    its age is not this run's.
+    """
+    now = time.perf_counter()
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start
+    except (OSError, ValueError, IndexError, AttributeError):
+        return now
+    return now - age if 0 <= age < 30 else now
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

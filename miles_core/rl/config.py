@@ -166,7 +166,16 @@ class RunSection(_Section):
 
     steps: int = Field(100, ge=1, description="training steps")
     seed: int = Field(0, ge=0, description="seed of prompts order, sampling and initialisation")
-    out_dir: str = Field("runs/miles", description="metrics.jsonl, plot.png, checkpoints/ go here")
+    out_dir: str | None = Field(
+        None,
+        description="the run directory (metrics.jsonl, summary.json, plot.png, checkpoints/); unset: a new "
+        "directory under run.runs_dir for each run, linked as <runs_dir>/latest",
+    )
+    runs_dir: str = Field(
+        "runs/miles",
+        description="where runs without run.out_dir get a directory each (YYYYmmdd-HHMMSS); --resume "
+        "continues <runs_dir>/latest",
+    )
     eval_every: int = Field(5, ge=0, description="greedy evaluation on every prompt each N steps (0: never)")
     stop_at_accuracy: float | None = Field(
         None, ge=0, le=1, description="stop once greedy accuracy reaches this (needs eval_every > 0)"
@@ -219,10 +228,17 @@ class TrainConfig(_Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @property
+    def run_dir(self) -> Path:
+        """The run directory; set once the loop has chosen it (:mod:`miles_core.rl.preflight`)."""
+        if self.run.out_dir is None:
+            raise RuntimeError("run.out_dir is not chosen yet: the loop sets it (miles_core.rl.preflight)")
+        return Path(self.run.out_dir)
+
 
 #: named starting points; a TOML file and overrides apply on top
 PRESETS: dict[str, dict[str, Any]] = {
-    # 2-core CPU, minutes: a reply-format-warmed tiny Qwen3.5 learns "n+1=" through the session server.
+    # 2-core CPU, under a minute: a reply-format-warmed tiny Qwen3.5 learns "n+1=" through the session server.
     "tiny": {
         "model": {"preset": "tiny-rl", "dtype": "float32"},
         "task": {"name": "arith-next"},
@@ -235,7 +251,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "algorithm": {"lr": 3e-3, "kl_coef": 0.3},
         "trainer": {"backend": "hf", "device": "auto", "max_tokens_per_row": 1024},
-        "run": {"steps": 60, "eval_every": 2, "stop_at_accuracy": 0.9, "time_limit_s": 150, "out_dir": "runs/tiny"},
+        "run": {"steps": 60, "eval_every": 2, "stop_at_accuracy": 0.9, "time_limit_s": 150, "runs_dir": "runs/tiny"},
     },
     # One GPU: the ~0.5B Qwen3.5-architecture preset in bf16, in-process.
     "small-gpu": {
@@ -244,7 +260,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout": {"path": "direct", "prompts_per_step": 55, "samples_per_prompt": 16, "max_new_tokens": 64},
         "algorithm": {"lr": 1e-5},
         "trainer": {"backend": "hf", "device": "cuda", "max_tokens_per_row": 8192},
-        "run": {"steps": 5, "eval_every": 5, "out_dir": "runs/small-gpu", "checkpoint_every": 0},
+        "run": {"steps": 5, "eval_every": 5, "runs_dir": "runs/small-gpu", "checkpoint_every": 0},
     },
 }
 

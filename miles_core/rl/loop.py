@@ -1,5 +1,7 @@
 """The RL loop, top to bottom.
 
+    check        <- the run directory, the model and the device (:mod:`miles_core.rl.preflight`):
+                    a bad setting fails here, before anything is written or built
     resolve      <- task, algorithm, rollout function, trainer backend, orchestrator, trackers:
                     each named in the config, looked up in the plugin registries and verified,
                     before anything is built
@@ -15,22 +17,26 @@
         record       <- one record to every tracker (metrics.jsonl first); a checkpoint every N steps
 
 Greedy evaluation (every prompt, temperature 0) runs at the start of a step, on the policy that
-is about to produce that step's rollouts, and once more when the run ends.
+is about to produce that step's rollouts, and once more when the run ends. A first Ctrl-C ends
+the run after the step in flight like any stop (checkpoint, plot, summary with ``interrupted``).
 """
 
 from __future__ import annotations
 
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_json_atomic
 from miles_core.hardware.activation import activate
 from miles_core.plugins import MilesPluginManager
-from miles_core.rl import registry
+from miles_core.rl import preflight, registry
 from miles_core.rl.algorithms.base import Algorithm
 from miles_core.rl.algorithms.batch import TrainDocument
 from miles_core.rl.checkpoint import (
@@ -97,6 +103,8 @@ class RunResult:
     records: list[Record]
     report: dict[str, object]
     hardware: dict[str, object]  # the backend that ran (ActiveHardware.summary)
+    #: a first Ctrl-C stopped the run after the step in flight (exit status 130)
+    interrupted: bool = False
 
     def summary(self) -> dict[str, object]:
         last = self.records[-1] if self.records else {}
@@ -106,6 +114,7 @@ class RunResult:
             "initial_accuracy": self.initial_accuracy,
             "final_accuracy": self.final_accuracy,
             "stopped_early": self.stopped_early,
+            "interrupted": self.interrupted,
             "seconds": round(self.seconds, 2),
             "last": last,
             "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in self.records), default=None),
@@ -137,6 +146,34 @@ class _Span:
         self.timer.split[self.key] = self.timer.split.get(self.key, 0.0) + elapsed
 
 
+class StopRequest:
+    """Ctrl-C while the loop runs (main thread only): the first SIGINT asks the loop to stop after
+    the step in flight -- the run then ends as at any stop, with a checkpoint of that step, the
+    plot and ``summary.json`` (``interrupted: true``); a second raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.on_request: Callable[[], None] | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> StopRequest:
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup/background jobs ignore it
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        if self.on_request is not None:
+            self.on_request()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def evaluate(runtime: Runtime, prompts: Sequence[Prompt]) -> float:
     """Share of prompts whose greedy completion earns reward 1."""
     trajectories = runtime.evaluator.run(prompts, step=0, greedy=True)
@@ -165,29 +202,46 @@ def train(
     *,
     resume: bool = False,
     build: Build | None = None,
+    started: float | None = None,
 ) -> RunResult:
-    """Run (or resume) training; ``build`` assembles the runtime (default: ``orchestrator.kind``'s)."""
-    out_dir = Path(config.run.out_dir)
-    metrics = MetricsLog(out_dir / "metrics.jsonl")
-    checkpoint = _resume_point(out_dir, config) if resume else None
-    if not resume and metrics.read():
-        raise ConfigError(f"run.out_dir: {out_dir} already holds a run (metrics.jsonl); pass --resume or another --out")
-    parts = resolve_parts(config, pm)
-    trackers = registry.trackers(pm, config)
-    if build is None:
-        build = registry.orchestrator(pm, config).build
-    started = time.perf_counter()
-    runtime = build(config, pm, parts)
+    """Run (or resume) training; ``build`` assembles the runtime (default: ``orchestrator.kind``'s).
+
+    ``started`` is the ``time.perf_counter()`` the run's clock counts from (the CLI passes the
+    process's start, so the progress bar and the summary include start-up); default: now.
+    """
+    started = time.perf_counter() if started is None else started
+    run_dir = preflight.check(config, pm, resume=resume)
+    checkpoint = _resume_point(run_dir.path, config) if resume else None
+    out_dir = run_dir.create()
+    config = config.model_copy(update={"run": config.run.model_copy(update={"out_dir": str(out_dir)})})
     try:
-        return _run(config, runtime, metrics, trackers, checkpoint, started)
+        metrics = MetricsLog(out_dir / "metrics.jsonl")
+        parts = resolve_parts(config, pm)
+        trackers = registry.trackers(pm, config)
+        if build is None:
+            build = registry.orchestrator(pm, config).build
+        runtime = build(config, pm, parts)
+    except BaseException:
+        run_dir.discard()
+        raise
+    failed = True
+    try:
+        with StopRequest() as stop:
+            result = _run(config, runtime, metrics, trackers, checkpoint, started, stop)
+        failed = False
+        return result
     finally:
-        runtime.close()
+        try:
+            runtime.close()
+        finally:
+            if failed and not metrics.read():  # a run that failed before its first step leaves nothing
+                run_dir.discard()
 
 
 def _checkpoint(config: TrainConfig, runtime: Runtime, sampler: PromptSampler, step: int, version: str) -> int:
     """Save the state after ``step``; returns ``step``."""
     state = LoopState(step=step, cursor=sampler.cursor, weight_version=version, config=config.to_dict())
-    save_checkpoint(Path(config.run.out_dir), runtime.trainer, state, config.run.keep_checkpoints)
+    save_checkpoint(config.run_dir, runtime.trainer, state, config.run.keep_checkpoints)
     return step
 
 
@@ -203,7 +257,7 @@ def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
 
 
 def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: Sequence[Tracker],
-         checkpoint: Path | None, started: float) -> RunResult:
+         checkpoint: Path | None, started: float, stop: StopRequest) -> RunResult:
     task, algorithm, rollout_cfg, run_cfg = runtime.parts.task, runtime.parts.algorithm, config.rollout, config.run
     prompts = list(task.prompts)
     sampler = PromptSampler(prompts, rollout_cfg.prompts_per_step, run_cfg.seed)
@@ -219,7 +273,8 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
     records = metrics.read()
     initial_accuracy = next((r["greedy_accuracy"] for r in records if r.get("greedy_accuracy") is not None), None)
     recorder = Recorder.open(trackers, config, resume=checkpoint is not None, first_step=first_step)
-    progress = Progress(run_cfg.steps, first_step, run_cfg.progress)
+    progress = Progress(run_cfg.steps, first_step, run_cfg.progress, started)
+    stop.on_request = progress.stopping
     accuracy, stopped_early, step = None, False, first_step - 1
     saved_step = first_step - 1  # the step the newest checkpoint holds
     loop_started = time.perf_counter()
@@ -275,9 +330,13 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
                 saved_step = _checkpoint(config, runtime, sampler, step, version)
             if run_cfg.time_limit_s is not None and time.perf_counter() - loop_started > run_cfg.time_limit_s:
                 break
+            if stop.requested:
+                break
         if step > saved_step:  # the last step, the time limit or an early stop: keep the final policy
             _checkpoint(config, runtime, sampler, step, version)
-        if not stopped_early and task.has_accuracy and run_cfg.eval_every:
+        if stop.requested:
+            accuracy = None  # not measured on the final policy: the stop skips the final evaluation
+        elif not stopped_early and task.has_accuracy and run_cfg.eval_every:
             accuracy = evaluate(runtime, prompts)
     finally:
         progress.close()
@@ -285,17 +344,18 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
     records = metrics.read()
     if run_cfg.plot and records:
         final = (step + 1, accuracy) if accuracy is not None else None
-        plot_run(records, Path(run_cfg.out_dir) / "plot.png", f"miles train: {config.task.name}", final)
+        plot_run(records, config.run_dir / "plot.png", f"miles train: {config.task.name}", final)
     result = RunResult(
-        out_dir=Path(run_cfg.out_dir),
+        out_dir=config.run_dir,
         steps_done=step + 1,
         initial_accuracy=initial_accuracy,
         final_accuracy=accuracy,
         stopped_early=stopped_early,
+        interrupted=stop.requested,
         seconds=time.perf_counter() - started,
         records=records,
         report=dict(runtime.trainer.report),
         hardware=activate().summary(),
     )
-    write_json_atomic(Path(run_cfg.out_dir) / "summary.json", result.summary())
+    write_json_atomic(config.run_dir / "summary.json", result.summary())
     return result

@@ -1,4 +1,4 @@
-"""Per-step metrics: an append-only JSONL file, a live progress bar, and a plot at the end.
+"""Per-step metrics: an append-only JSONL file, progress on stderr, and a plot at the end.
 
 Each step's record is one line, flushed and fsynced before the step counts as done, so a killed
 run loses at most the step in flight. On resume the file is cut back to the checkpoint's step
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,41 +60,107 @@ class MetricsLog:
             os.fsync(f.fileno())
 
 
-class Progress:
-    """A rich progress bar on stderr with the latest reward, accuracy, mismatch and speed."""
+def format_elapsed(seconds: float) -> str:
+    """``h:mm:ss``."""
+    whole = max(0, int(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+
+def step_summary(record: Mapping[str, Any]) -> str:
+    """``reward 0.125 | acc 0.11 | mismatch 1.2e-06 | 2400 tok/s`` for one step's record."""
+    parts = [f"reward {record['reward_mean']:.3f}"]
+    if record.get("greedy_accuracy") is not None:
+        parts.append(f"acc {record['greedy_accuracy']:.2f}")
+    parts.append(f"mismatch {record['logprob_mismatch_max']:.1e}")
+    parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+class Progress:
+    """Progress on stderr: a live bar on a terminal, one line per step otherwise.
+
+    The clock counts from ``started`` (a ``time.perf_counter()`` value; the CLI passes the
+    process's start, so start-up is included). :meth:`stopping` may be called from a signal
+    handler: it only sets a flag (the bar shows it) or writes one line with ``os.write``.
+    """
+
+    def __init__(
+        self, total: int, start: int, enabled: bool, started: float | None = None, console: Any = None
+    ) -> None:
         self.enabled = enabled
+        self.total = total
+        self.started = time.perf_counter() if started is None else started
+        self.stop_requested = False
         if not enabled:
             return
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+        self._console = console if console is not None else Console(stderr=True)
+        self.live = self._console.is_terminal
+        if self.live:
+            self._start_bar(start)
+
+    def _start_bar(self, start: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn
         from rich.progress import Progress as Bar
+        from rich.table import Column
+        from rich.text import Text
+
+        progress = self
+
+        class Elapsed(ProgressColumn):
+            """Wall time since the run's clock started; never truncated."""
+
+            def __init__(self) -> None:
+                super().__init__(table_column=Column(no_wrap=True, min_width=7))
+
+            def render(self, task: Any) -> Text:
+                return Text(format_elapsed(time.perf_counter() - progress.started), style="progress.elapsed")
+
+        class Live(TextColumn):
+            def render(self, task: Any) -> Text:
+                if progress.stop_requested:
+                    return Text("stopping after this step (Ctrl-C again aborts)", style="bold yellow")
+                return super().render(task)
 
         self._bar = Bar(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[live]}"),
-            console=Console(stderr=True),
+            TextColumn("[bold]train", table_column=Column(no_wrap=True)),
+            BarColumn(bar_width=12),
+            MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            Elapsed(),
+            # the only column that gives way on a narrow terminal
+            Live("{task.fields[live]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+            console=self._console,
             transient=False,
+            expand=True,  # the ratio column takes what is left: the others keep their widths
         )
-        self._task = self._bar.add_task("train", total=total, completed=start, live="starting")
+        self._task = self._bar.add_task("train", total=self.total, completed=start, live="starting")
         self._bar.start()
 
     def update(self, record: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
-        parts = [f"reward {record['reward_mean']:.3f}"]
-        if record.get("greedy_accuracy") is not None:
-            parts.append(f"acc {record['greedy_accuracy']:.2f}")
-        parts.append(f"mismatch {record['logprob_mismatch_max']:.1e}")
-        parts.append(f"{record['tokens_per_s']:.0f} tok/s")
-        self._bar.update(self._task, completed=record["step"] + 1, live=" | ".join(parts))
+        live = step_summary(record)
+        if self.live:
+            self._bar.update(self._task, completed=record["step"] + 1, live=live)
+        else:
+            elapsed = format_elapsed(time.perf_counter() - self.started)
+            self._console.print(f"train {record['step'] + 1}/{self.total} {elapsed} {live}", highlight=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        """A line above the bar (or on its own without a terminal)."""
+        if self.enabled:
+            self._console.print(text, highlight=False, soft_wrap=True)
+
+    def stopping(self) -> None:
+        """A stop was requested (safe to call from a signal handler)."""
+        self.stop_requested = True
+        if not (self.enabled and self.live):
+            os.write(2, b"interrupted: finishing the step in flight, then checkpoint, summary and plot "
+                        b"(Ctrl-C again aborts)\n")
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.live:
             self._bar.stop()
 
 

@@ -114,6 +114,12 @@ def test_a_broken_toml_file_is_not_called_yaml(tmp_path):
     assert "line 2" in str(info.value) and "YAML" not in str(info.value)
 
 
+def test_presets_choose_a_runs_directory_not_a_run_directory():
+    tiny = load_config("tiny")
+    assert tiny.run.out_dir is None and tiny.run.runs_dir == "runs/tiny"
+    assert load_config("tiny", overrides=['run.out_dir="x"']).run.out_dir == "x"
+
+
 def test_override_values_are_toml_or_strings():
     assert parse_override("a.b=0.5") == {"a": {"b": 0.5}}
     assert parse_override("a.b=true") == {"a": {"b": True}}

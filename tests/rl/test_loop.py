@@ -89,3 +89,47 @@ def test_prompt_sampler_epochs_and_cursor():
     again = PromptSampler(prompts, per_step=3, seed=1)
     again.restore(cursor)
     assert [p.id for p in again.next()] == after
+
+
+def _run_dirs(runs):
+    return sorted(p.name for p in runs.iterdir() if p.is_dir() and not p.is_symlink())
+
+
+def test_runs_without_out_dir_get_a_directory_each_and_latest_is_resumed(miles_pm_factory, direct_overrides, tmp_path):
+    pm = miles_pm_factory(builtins=True)
+    runs = tmp_path / "runs"
+    config = load_config(overrides=[direct_overrides, {"run": {"steps": 2, "out_dir": None, "runs_dir": str(runs)}}])
+    first, second = train(config, pm), train(config, pm)  # the same command twice: both run
+    assert first.out_dir.parent == second.out_dir.parent == runs and first.out_dir != second.out_dir
+    assert _run_dirs(runs) == sorted([first.out_dir.name, second.out_dir.name])
+    assert (runs / "latest").resolve() == second.out_dir.resolve()
+    assert json.loads((second.out_dir / "summary.json").read_text())["out_dir"] == str(second.out_dir)
+
+    longer = config.model_copy(update={"run": config.run.model_copy(update={"steps": 3})})
+    resumed = train(longer, pm, resume=True)  # continues latest, in its directory
+    assert resumed.out_dir == second.out_dir and [r["step"] for r in resumed.records] == [0, 1, 2]
+    assert len(first.records) == 2 and _run_dirs(runs) == sorted([first.out_dir.name, second.out_dir.name])
+
+    def failing_build(*args):
+        raise RuntimeError("the engine did not start")
+
+    before = (_run_dirs(runs), (runs / "latest").readlink())
+    with pytest.raises(RuntimeError, match="did not start"):
+        train(config, pm, build=failing_build)
+    assert (_run_dirs(runs), (runs / "latest").readlink()) == before  # a failed start leaves nothing
+
+
+def test_run_directory_rules(tmp_path):
+    from miles_core.rl.preflight import choose_run_dir
+
+    runs = tmp_path / "runs"
+    config = load_config("tiny", overrides=[{"run": {"runs_dir": str(runs)}}])
+    planned = choose_run_dir(config, resume=True, now=0)  # nothing to resume: a new run
+    assert planned.new and planned.path.parent == runs and not runs.exists()
+    runs.mkdir()
+    (runs / "metrics.jsonl").write_text("{}\n")  # a run written straight into runs_dir (--out runs/tiny)
+    with pytest.raises(ConfigError, match=rf"--resume: {runs} has no latest run .* --out {runs} --resume"):
+        choose_run_dir(config, resume=True)
+    (runs / "latest").mkdir()
+    with pytest.raises(ConfigError, match="latest is not a link"):
+        choose_run_dir(config, resume=False)

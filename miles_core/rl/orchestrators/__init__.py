@@ -11,8 +11,11 @@ if TYPE_CHECKING:
     from miles_core.rl.loop import RunResult
 
 
-def run_training(config: TrainConfig, pm: MilesPluginManager, *, resume: bool = False) -> RunResult:
-    """Train with the orchestrator ``orchestrator.kind`` selects (the loop resolves it)."""
+def run_training(
+    config: TrainConfig, pm: MilesPluginManager, *, resume: bool = False, started: float | None = None
+) -> RunResult:
+    """Train with the orchestrator ``orchestrator.kind`` selects (the loop resolves it);
+    ``started``: see :func:`miles_core.rl.loop.train`."""
     from miles_core.rl.loop import train
 
-    return train(config, pm, resume=resume)
+    return train(config, pm, resume=resume, started=started)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.trackers.base import Record, Tracker, TrackerRun, TrackerSink
@@ -15,7 +14,7 @@ class Recorder:
 
     @classmethod
     def open(cls, trackers: Sequence[Tracker], config: TrainConfig, *, resume: bool, first_step: int) -> Recorder:
-        out_dir = Path(config.run.out_dir)
+        out_dir = config.run_dir
         run = TrackerRun(out_dir, out_dir.resolve().name, config.to_dict(), resume, first_step)
         sinks: list[tuple[str, TrackerSink]] = []
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -169,6 +170,9 @@ def _rank_main(
     from miles_core.rl.trainers.hf import HFPolicy
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # a terminal's Ctrl-C reaches every process of the group: rank 0 decides (it finishes the step
+    # in flight, or kills the ranks on a second one)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:  # checked before joining the group: rank 0 would otherwise wait for this rank in vain
         torch.set_num_threads(config.run.torch_threads)
         check_fingerprint(fingerprint, f"trainer rank {rank}")

@@ -1,0 +1,135 @@
+"""`miles train` without a terminal prints one line per step; a first Ctrl-C (SIGINT) stops it after
+the step in flight with a checkpoint of that step, summary.json (``interrupted: true``) and the plot,
+exit status 130, and ``--resume`` continues that run (``<runs_dir>/latest``); a second Ctrl-C aborts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from miles_core.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=55, suite="stage-b-cpu")
+
+pytest.importorskip("miles_core.engine.engine", reason="the embedded engine (engine concern) is not installed")
+
+STEPS = 1000  # far more than the test waits for: only a Ctrl-C ends the run
+
+
+def _config(path: Path, model_dir: Path, runs_dir: Path, steps: int = STEPS) -> Path:
+    path.write_text(f"""
+[model]
+path = "{model_dir}"
+[task]
+reward = "miles_core.rl.builtin:first_token_reward"
+[rollout]
+path = "direct"
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 2
+[trainer]
+device = "cpu"
+[run]
+steps = {steps}
+eval_every = 2
+runs_dir = "{runs_dir}"
+""")
+    return path
+
+
+def _start(config: Path, tmp_path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_CACHE_DIR": str(tmp_path / "cache")}
+    # stderr is a pipe, not a terminal: progress comes as one line per step
+    return subprocess.Popen([sys.executable, "-m", "miles_core", "train", "--config", str(config)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_records(runs_dir: Path, n: int, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = runs_dir / "latest" / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"miles train exited early ({proc.returncode}): {proc.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {n} records within {timeout}s")
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ctrl_c_checkpoints_summarises_plots_and_resumes(char_model_dir, tmp_path):
+    runs = tmp_path / "runs"
+    proc = _start(_config(tmp_path / "run.toml", char_model_dir, runs), tmp_path)
+    _wait_for_records(runs, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    run = (runs / "latest").resolve()
+    records = _records(run)
+    steps = len(records)
+    assert [r["step"] for r in records] == list(range(steps)) and 2 <= steps < STEPS
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] == steps
+    assert summary["final_accuracy"] is None  # the stop skips the final evaluation
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == f"step_{steps - 1:06d}"
+    assert (run / "plot.png").stat().st_size > 10_000
+    assert "Traceback" not in err and "interrupted: finishing the step in flight" in err
+    assert out.startswith(f"interrupted: {steps} steps in ")
+    # one line per step, in order, each with the clock and the step's numbers
+    lines = [line for line in err.splitlines() if line.startswith("train ")]
+    assert [line.split()[1] for line in lines] == [f"{i}/{STEPS}" for i in range(1, steps + 1)]
+    assert all(" reward " in line and " tok/s" in line for line in lines)
+
+    # --resume continues the run latest points at, in the same directory
+    longer = _config(tmp_path / "longer.toml", char_model_dir, runs, steps=steps + 1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "miles_core", "train", "--config", str(longer), "--resume",
+                           "--no-progress", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["out_dir"] == str(run)
+    assert [r["step"] for r in _records(run)] == list(range(steps + 1))
+    assert sorted(p.name for p in runs.iterdir()) == sorted([run.name, "latest"])
+
+
+def test_a_second_ctrl_c_aborts(char_model_dir, tmp_path):
+    runs = tmp_path / "runs"
+    proc = _start(_config(tmp_path / "run.toml", char_model_dir, runs), tmp_path)
+    _wait_for_records(runs, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "aborted (Ctrl-C)" in err and "Traceback" not in err
+    assert not ((runs / "latest").resolve() / "summary.json").exists()
+
+
+def test_ctrl_c_while_the_stopped_run_exits_never_prints_a_traceback(char_model_dir, tmp_path):
+    """A second Ctrl-C once the stopped run has written its summary: no traceback. During the
+    interpreter's own teardown, when Python no longer handles signals, the process ends by the
+    signal as any program does (a shell reports 130 for both)."""
+    runs = tmp_path / "runs"
+    proc = _start(_config(tmp_path / "run.toml", char_model_dir, runs), tmp_path)
+    _wait_for_records(runs, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    summary = (runs / "latest").resolve() / "summary.json"
+    deadline = time.monotonic() + 120
+    while not summary.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (130, -signal.SIGINT), err[-3000:]
+    assert summary.exists() and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
