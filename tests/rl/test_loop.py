@@ -9,7 +9,7 @@ from miles_core.rl.loop import PromptSampler, train
 from miles_core.rl.metrics import deterministic_view
 from miles_core.rl.tasks import Prompt
 
-register_cpu_ci(est_time=25, suite="stage-a-cpu")
+register_cpu_ci(est_time=35, suite="stage-a-cpu")
 
 pytest.importorskip("miles_core.engine.engine", reason="the embedded engine (engine concern) is not installed")
 
