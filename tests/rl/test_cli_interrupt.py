@@ -16,7 +16,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=55, suite="stage-b-cpu")
+register_cpu_ci(est_time=70, suite="stage-b-cpu")
 
 pytest.importorskip("miles_core.engine.engine", reason="the embedded engine (engine concern) is not installed")
 
@@ -133,3 +133,44 @@ def test_ctrl_c_while_the_stopped_run_exits_never_prints_a_traceback(char_model_
     _, err = proc.communicate(timeout=120)
     assert proc.returncode in (130, -signal.SIGINT), err[-3000:]
     assert summary.exists() and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+
+
+def test_on_an_80_column_terminal_the_bar_keeps_its_clock(char_model_dir, tmp_path):
+    """stderr on a pseudo-terminal 80 columns wide: the live bar, its count and an h:mm:ss clock
+    that counts from the command's start (never cut to `0:00:…`)."""
+    import pty
+    import re
+
+    runs = tmp_path / "runs"
+    config = _config(tmp_path / "run.toml", char_model_dir, runs, steps=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "80",
+           "LINES": "24", "TERM": "xterm"}
+    master, slave = pty.openpty()
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "miles_core", "train", "--config", str(config)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out, _ = proc.communicate(timeout=120)
+    wall = time.monotonic() - started
+    os.close(master)
+    assert proc.returncode == 0, out
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    final = [line for line in re.split(r"[\r\n]", screen) if "3/3" in line][-1]
+    clock = re.search(r" (\d+):(\d\d):(\d\d) ", final)
+    assert clock and "…" not in final.split("3/3")[1][:12], final
+    shown = int(clock[1]) * 3600 + int(clock[2]) * 60 + int(clock[3])
+    run = (runs / "latest").resolve()
+    summary, records = json.loads((run / "summary.json").read_text()), _records(run)
+    # one clock from the command's start: the bar's last frame (after the last step, before the plot),
+    # the records' elapsed_s and the summary agree, and start-up (imports, model load) is counted
+    assert records[-1]["elapsed_s"] - 1 <= shown <= summary["seconds"] <= wall, (final, summary["seconds"], wall)
+    assert records[0]["elapsed_s"] > records[0]["time_step"] + 1.0
