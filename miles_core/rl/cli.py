@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -118,13 +119,23 @@ def train(
 
     from miles_core.rl.orchestrators import run_training
 
+    previous = None
     try:
         result = run_training(config, get_plugin_manager(), resume=resume, started=started)
-        signal.signal(signal.SIGINT, _exit_interrupted)  # the run is over: a Ctrl-C now only exits
+        if threading.current_thread() is threading.main_thread():  # the run is over: Ctrl-C only exits
+            previous = signal.signal(signal.SIGINT, _exit_interrupted)
     except KeyboardInterrupt:
         click.echo("aborted (Ctrl-C): the run stopped where it was; its last checkpoint, if any, is kept", err=True)
         sys.exit(INTERRUPTED)
-    summary = result.summary()
+    try:
+        _report(result.summary(), as_json)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _report(summary: dict[str, Any], as_json: bool) -> None:
+    """Print the run's summary; exit 130 if a Ctrl-C stopped it."""
     if as_json:
         sys.stdout.write(json.dumps(summary, default=str) + "\n")
     else:
@@ -146,8 +157,8 @@ INTERRUPTED = 130
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:
-    """SIGINT once the run has ended (summary written): exit at once, also during interpreter
-    teardown, where a KeyboardInterrupt would print a traceback and end the process by the signal."""
+    """SIGINT once the run has ended (summary written): exit at once instead of a traceback from
+    the lines that print the summary."""
     os.write(2, b"aborted (Ctrl-C)\n")
     os._exit(INTERRUPTED)
 
