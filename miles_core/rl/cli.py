@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -124,6 +125,9 @@ def train(
         result = run_training(config, get_plugin_manager(), resume=resume, started=started)
         if threading.current_thread() is threading.main_thread():  # the run is over: Ctrl-C only exits
             previous = signal.signal(signal.SIGINT, _exit_interrupted)
+            # atexit callbacks run last registered first: this one, before those of the libraries
+            # (torch's prints its compile times), so a Ctrl-C there exits too instead of a traceback
+            atexit.register(signal.signal, signal.SIGINT, _exit_interrupted)
     except KeyboardInterrupt:
         click.echo("aborted (Ctrl-C): the run stopped where it was; its last checkpoint, if any, is kept", err=True)
         sys.exit(INTERRUPTED)
