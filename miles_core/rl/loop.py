@@ -103,6 +103,8 @@ class RunResult:
     records: list[Record]
     report: dict[str, object]
     hardware: dict[str, object]  # the backend that ran (ActiveHardware.summary)
+    #: seconds from the run's clock origin (the CLI: the process's start) to its first step
+    startup_s: float = 0.0
     #: a first Ctrl-C stopped the run after the step in flight (exit status 130)
     interrupted: bool = False
 
@@ -116,6 +118,8 @@ class RunResult:
             "stopped_early": self.stopped_early,
             "interrupted": self.interrupted,
             "seconds": round(self.seconds, 2),
+            "startup_s": round(self.startup_s, 2),
+            "startup_share": round(self.startup_s / self.seconds, 3) if self.seconds > 0 else None,
             "last": last,
             "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in self.records), default=None),
             "metrics": str(self.out_dir / "metrics.jsonl"),
@@ -353,6 +357,7 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
         stopped_early=stopped_early,
         interrupted=stop.requested,
         seconds=time.perf_counter() - started,
+        startup_s=loop_started - started,
         records=records,
         report=dict(runtime.trainer.report),
         hardware=activate().summary(),

@@ -39,6 +39,10 @@ def test_direct_run_records_checkpoints_and_plots(miles_pm_factory, direct_overr
     assert json.loads((last / "state.json").read_text())["cursor"] == {"epoch": 0, "offset": 12}
     assert (tmp_path / "run" / "plot.png").stat().st_size > 10_000
     assert result.summary()["final_accuracy"] is not None
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # start-up (imports, parts verified, runtime built) as a share of the run: one first step's elapsed
+    assert 0 < summary["startup_s"] < records[0]["elapsed_s"] <= summary["seconds"]
+    assert summary["startup_share"] == pytest.approx(summary["startup_s"] / summary["seconds"], abs=2e-3)
     hardware = json.loads((tmp_path / "run" / "summary.json").read_text())["hardware"]  # the backend that ran
     assert (hardware["plugin"], hardware["builtin"], hardware["replaces"]) == ("core-hardware", True, [])
 
