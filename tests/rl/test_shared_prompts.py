@@ -1,6 +1,7 @@
 """Shared prompts: a GRPO group trained after one copy of its prompt gives the update of the same
 documents laid out whole -- loss, gradients, every statistic -- while the row holds a fraction of
-the tokens; a model with recurrent layers never gets such rows.
+the tokens; a model's recurrent layers get such rows only where they say they can fork their state
+(the GDN patch's torch kernels; miles-qwen35's tests hold the GDN differential).
 
 Tolerance: both layouts compute the same attention and MLPs in fp32 and differ only in which rows
 of which matmuls share a call (a reduction of the same terms in another order), so they agree to
@@ -101,7 +102,7 @@ def test_without_the_branches_a_shared_row_is_wrong(miles_pm) -> None:
     assert not torch.allclose(honoured, ignored, atol=1e-3)
 
 
-def test_a_model_with_recurrent_layers_gets_whole_documents(tmp_path) -> None:
+def test_the_tiny_preset_shares_prompts_through_its_gated_deltanet_layers(tmp_path) -> None:
     from miles_core.engine.presets import preset_dir
     from miles_core.plugins import get_plugin_manager
     from miles_core.rl.config import load_config
@@ -110,4 +111,6 @@ def test_a_model_with_recurrent_layers_gets_whole_documents(tmp_path) -> None:
     config = load_config("tiny")
     algorithm = get_plugin_manager().contribution("algorithms", "grpo").obj
     trainer = HFTrainer(preset_dir(config.model.preset), config, torch.device("cpu"), algorithm)
-    assert trainer.report["shared_prompts"] is False  # Gated DeltaNet: its state cannot fork after the prompt
+    # the GDN patch's torch kernels fork the recurrent state and conv window after the prompt
+    # (plugins/miles_qwen35/tests: shared == whole documents per architecture)
+    assert trainer.report["shared_prompts"] is True

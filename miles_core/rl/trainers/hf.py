@@ -24,7 +24,7 @@ from miles_core.rl.policy_update import DataParallel, UpdateSettings, policy_upd
 from miles_core.rl.tensor_tree import load_tree, save_tree
 from miles_core.rl.trainers.compile import compile_regions
 from miles_core.rl.trainers.fsdp import RankGroup, init_rank, shard_model
-from miles_core.rl.trainers.packing_guard import check_packing_safe, recurrent_layer_types
+from miles_core.rl.trainers.packing_guard import branches_supported, check_packing_safe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -72,9 +72,9 @@ class HFPolicy:
                 compile_regions(self.reference)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
         # a shared prompt copy needs attention that reads the row's branches (the packed attention
-        # prepare_model installed) and no layer whose state after the prompt would have to fork
+        # prepare_model installed) and recurrent layers that fork their state after the prompt
         share = (config.trainer.share_prompts and config.trainer.packing and patch_report.packed_attention
-                 and not recurrent_layer_types(self.model))
+                 and branches_supported(self.model))
         self.settings = UpdateSettings.from_config(config, algorithm, share_prompts=share)
         self.report = {
             "backend": "hf",

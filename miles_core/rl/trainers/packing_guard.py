@@ -63,6 +63,14 @@ def recurrent_module_classes(model: Any) -> set[str]:
             if name.endswith("linear_attn")}
 
 
+def branches_supported(model: Any) -> bool:
+    """Whether every recurrent layer of ``model`` can run rows with shared prompts
+    (``PackedSequences.branches``): it must say so itself (``supports_branches()``, which a model
+    patch installs); attention layers always can (the packed attention reads the branches)."""
+    layers = [m for name, m in model.named_modules() if name.endswith("linear_attn")]
+    return all(callable(getattr(m, "supports_branches", None)) and m.supports_branches() for m in layers)
+
+
 def check_packing_safe(model: Any, *, packing: bool, applied: Mapping[str, Sequence[str]] | None = None) -> float | None:
     """Check models with recurrent layers when packing; raise :class:`PackingLeakError` if unsafe.
 

@@ -52,6 +52,18 @@ KERNEL_MARK = "__miles_gdn_kernel__"
 LAYER_FLAG = "_miles_gdn_packing_enabled"
 
 
+def _fla_path(x: torch.Tensor) -> bool:
+    return x.is_cuda and fla_varlen.fla_available()
+
+
+def supports_branches(layer: torch.nn.Module) -> bool:
+    """Whether a layer runs rows with shared prompts (``PackedSequences.branches``) where it lives:
+    an enabled layer on the pure-torch kernels does; the fla path has no tree kernels yet and
+    refuses them. Installed on every patched class as its ``supports_branches()`` method, which
+    trainers ask before laying out shared-prompt rows."""
+    return layer_enabled(layer) and not _fla_path(next(layer.parameters()))
+
+
 @dataclass
 class _PackedCall:
     """One packed forward of one GDN layer: the context and which kernels it went through."""
@@ -59,15 +71,22 @@ class _PackedCall:
     ctx: PackedSequences
     called: set[str] = field(default_factory=set)
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             activation: str | None = None, **_: Any) -> torch.Tensor:
+    def _refuse_fla_branches(self, x: torch.Tensor) -> None:
+        if self.ctx.branches is not None and _fla_path(x):
+            raise PackingError("fla's kernels cannot run a row whose responses share one prompt copy (branches)")
+
+    def conv(self, reference: Callable[..., Any], x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None, activation: str | None = None, **_: Any) -> torch.Tensor:
         self.called.add(CONV)
-        if x.is_cuda and fla_varlen.fla_available():
+        self._refuse_fla_branches(x)
+        if _fla_path(x):
             return fla_varlen.causal_conv1d(x, weight, bias, activation, self.ctx)
+        if self.ctx.branches is not None:
+            return torch_varlen.causal_conv1d_branched(x, weight, bias, activation, self.ctx)
         return torch_varlen.causal_conv1d(x, weight, bias, activation, self.ctx.seq_idx)
 
-    def chunk(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+    def chunk(self, reference: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              g: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
               cu_seqlens: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
         self.called.add(CHUNK)
@@ -75,7 +94,13 @@ class _PackedCall:
             raise PackingError("a packed Gated DeltaNet forward cannot read or write a cache")
         if cu_seqlens is not None:
             raise PackingError("cu_seqlens passed to a packed forward: boundaries come from position_ids")
-        if query.is_cuda and fla_varlen.fla_available():
+        self._refuse_fla_branches(query)
+        if self.ctx.branches is not None:
+            out = torch_varlen.chunk_gated_delta_rule_branched(
+                query, key, value, g, beta, self.ctx, reference,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+            )
+        elif _fla_path(query):
             out = fla_varlen.chunk_gated_delta_rule(
                 query, key, value, g, beta, self.ctx, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
             )
@@ -110,7 +135,7 @@ def _dispatcher(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         call = _ACTIVE.get()
         if call is not None:
-            return route(call, *args, **kwargs)
+            return route(call, reference, *args, **kwargs)
         if reference is not original and _reference_can_run(args, kwargs):
             return reference(*args, **kwargs)  # Triton kernels cannot take CPU tensors
         return original(*args, **kwargs)
@@ -132,12 +157,6 @@ def _packing_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         if ctx is None:
             return original(self, *args, **kwargs)
-        if ctx.branches is not None:
-            raise PackingError(
-                f"{qualname(type(self))}: a row whose responses share one prompt copy (branches) cannot "
-                "run through a recurrent layer, whose state after the prompt would have to fork; "
-                "only attention-only models take such rows"
-            )
         hidden_states = args[0] if args else kwargs["hidden_states"]
         if tuple(hidden_states.shape[:2]) != (ctx.batch_size, ctx.seq_len):
             raise PackingError(
@@ -206,6 +225,7 @@ def patch_class(cls: type) -> None:
         if getattr(kernel_globals[name], KERNEL_MARK, None) is None:
             kernel_globals[name] = _dispatcher(name, kernel_globals[name])
     cls.forward = _packing_forward(forward)
+    cls.supports_branches = supports_branches
 
 
 def enable_layer(layer: torch.nn.Module) -> None:

@@ -153,14 +153,72 @@ def test_models_not_on_sdpa_keep_their_attention(qwen_pm) -> None:
     assert model.config._attn_implementation == "eager"
 
 
-def test_a_shared_prompt_row_is_refused_by_a_gdn_layer(qwen_pm, arch: str) -> None:
-    """Responses laid out after one prompt copy (branches) would need the GDN state after the
-    prompt to fork: the patched layer refuses the row instead of running it wrong."""
-    from miles_core.patches.packing import PackingError, packed_sequences
+def _shared_prompt_docs(vocab: int):
+    from miles_core.rl.algorithms.batch import TrainDocument
+
+    gen = torch.Generator().manual_seed(11)
+    docs = []
+    # prompts shorter and longer than the causal-conv window, responses of 1-70 tokens (past one
+    # 64-token chunk), a tool token inside one response, a group of one
+    for prompt_len, sizes in ((2, (1, 3, 2)), (9, (70, 1)), (5, (4,)), (30, (2, 6, 1, 1))):
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
+        for i, n in enumerate(sizes):
+            response = torch.randint(1, vocab, (n,), generator=gen).tolist()
+            mask = tuple(0 if (j == 1 and n == 3) else 1 for j in range(n))
+            docs.append(TrainDocument(tuple(prompt + response), n, mask, tuple(-2.0 - 0.01 * j for j in range(n)),
+                                      float(i % 3) - 1.0))
+    order = torch.randperm(len(docs), generator=gen).tolist()
+    return [docs[i] for i in order]
+
+
+def test_a_shared_prompt_row_updates_like_whole_documents(qwen_pm, arch: str) -> None:
+    """A GRPO group laid out after one prompt copy (each response's conv window reads the prompt's
+    last inputs, its recurrent state starts from the prompt's final state) gives the update of the
+    same documents laid out whole: loss and gradients (fp32; the two layouts differ in which
+    chunks and batches the same terms are summed in, rel 1e-5), through GDN and attention layers."""
+    from miles_core.patches.packing import packed_sequences
+    from miles_core.rl.algorithms.batch import pack_documents
+    from miles_core.rl.config import AlgorithmSection
+    from miles_core.rl.policy_update import UpdateSettings, policy_update
+    from miles_core.rl.trainers.packing_guard import branches_supported
 
     model = tiny_model(arch)
-    prepare_model(model, pm=qwen_pm)
-    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4]])
-    ctx = packed_sequences(positions, branches=[(5, 0, 3)])
-    with torch.no_grad(), pytest.raises(PackingError, match="share one prompt copy"):
-        model(torch.randint(0, 64, (1, 7)), position_ids=positions, use_cache=False, **{PACKING_KWARG: ctx})
+    assert prepare_model(model, pm=qwen_pm, packed=True).packed_attention
+    assert branches_supported(model)
+    vocab = model.config.get_text_config().vocab_size
+    docs = _shared_prompt_docs(vocab)
+    (row,) = pack_documents(docs, 4096, share_prompts=True)
+    assert row.branches and row.num_tokens < sum(len(d.token_ids) for d in docs)
+
+    def forward(row):
+        extra = {PACKING_KWARG: packed_sequences(row.position_ids[None], branches=row.branches)} if row.branches else {}
+        return model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                     logits_to_keep=row.positions, **extra).logits[0]
+
+    results = {}
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        stats = policy_update(docs, forward, torch.optim.SGD(model.parameters(), lr=0.0), model.parameters(),
+                              UpdateSettings(AlgorithmSection(entropy_coef=0.01), 1.0, 4096, True, share_prompts=share))
+        results[share] = stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    (shared, g_shared), (whole, g_whole) = results[True], results[False]
+    for key in ("loss", "entropy", "approx_kl"):
+        assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(g_shared, g_whole, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shared_prompt_row_without_its_branches_differs(qwen_pm, arch: str) -> None:
+    """Negative control: the same row with its responses taken as independent segments (no
+    branches: no prompt before them, a zero state) gives other logits."""
+    from miles_core.patches.packing import packed_sequences
+    from miles_core.rl.algorithms.batch import pack_documents
+
+    model = tiny_model(arch)
+    prepare_model(model, pm=qwen_pm, packed=True)
+    (row,) = pack_documents(_shared_prompt_docs(model.config.get_text_config().vocab_size), 4096, share_prompts=True)
+    ctx = packed_sequences(row.position_ids[None], branches=row.branches)
+    with torch.no_grad():
+        honoured = model(row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                         **{PACKING_KWARG: ctx}).logits
+        ignored = model(row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits
+    assert not torch.allclose(honoured, ignored, atol=1e-3)
