@@ -232,7 +232,7 @@ class Prefill:
 class LeanModel:
     """Decode step and prefill of a supported model over a :class:`SlotState` (see the module doc)."""
 
-    def __init__(self, model: Any, *, max_model_len: int) -> None:
+    def __init__(self, model: Any, *, max_model_len: int, max_rows: int = 1) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -286,7 +286,8 @@ class LeanModel:
         self.cos = torch.cat([cos, cos.new_ones(max_model_len, head_dim - rot)], -1).contiguous()
         self.sin = torch.cat([-sin[:, :half], sin[:, half:], sin.new_zeros(max_model_len, head_dim - rot)], -1).contiguous()
         self.rotate = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)]).to(self.device)
-        self.arange = torch.arange(max(max_model_len, 1), device=self.device)
+        # indexes positions and decode rows alike (a batch may hold more rows than max_model_len)
+        self.arange = torch.arange(max(max_model_len, max_rows, 1), device=self.device)
         #: attention through SDPA (CUDA: fp32 softmax and accumulation) or batched matmuls (CPU)
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator

@@ -65,7 +65,7 @@ class LeanRunner:
     name = "lean"
 
     def __init__(self, model: Any, *, max_slots: int, max_model_len: int, cuda_graphs: bool, staging: int = 2) -> None:
-        self.model = LeanModel(model, max_model_len=max_model_len)
+        self.model = LeanModel(model, max_model_len=max_model_len, max_rows=max_slots + staging)
         self.max_slots = max_slots
         self.staging = staging
         self.state = SlotState(
