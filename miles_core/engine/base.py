@@ -49,15 +49,35 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1", self.max_tokens)
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0", self.temperature)
-        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int), "top_k", "must be an integer (<= 0 disables it)", self.top_k)
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)", self.seed)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be integers >= 0", self.stop_token_ids)
+        # written out (no helper call per rule): a GRPO step builds one of these per sample
+        if type(self.stop) is not tuple:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if type(self.stop_token_ids) is not tuple:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        max_tokens, temperature, top_p, seed = self.max_tokens, self.temperature, self.top_p, self.seed
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            _fail("max_tokens", "must be an integer >= 1", max_tokens)
+        if not (_finite(temperature) and temperature >= 0):
+            _fail("temperature", "must be a finite number >= 0", temperature)
+        if not (_finite(top_p) and 0 < top_p <= 1):
+            _fail("top_p", "must be in (0, 1]", top_p)
+        if not isinstance(self.top_k, int):
+            _fail("top_k", "must be an integer (<= 0 disables it)", self.top_k)
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed < _SEED_LIMIT):
+            _fail("seed", "must be an integer in [0, 2**63)", seed)
+        if self.stop and not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", "must be non-empty strings", self.stop)
+        if self.stop_token_ids and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", "must be integers >= 0", self.stop_token_ids)
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """A copy with ``seed`` instead: only the seed is checked (the other fields were)."""
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed < _SEED_LIMIT):
+            _fail("seed", "must be an integer in [0, 2**63)", seed)
+        copy = object.__new__(SamplingParams)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__["seed"] = seed
+        return copy
 
     @property
     def greedy(self) -> bool:
@@ -156,10 +176,12 @@ def require_model_dir(path: str | Path) -> Path:
     return directory
 
 
+_SEED_LIMIT = 2**63
+
+
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return (type(value) is float or (isinstance(value, (int, float)) and not isinstance(value, bool))) and math.isfinite(value)
 
 
-def _check(ok: bool, name: str, rule: str, value: Any) -> None:
-    if not ok:
-        raise InvalidRequestError(name, f"{rule}, got {value!r}")
+def _fail(name: str, rule: str, value: Any) -> None:
+    raise InvalidRequestError(name, f"{rule}, got {value!r}")

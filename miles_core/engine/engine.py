@@ -6,8 +6,9 @@ One background thread owns the model. Each loop iteration
    ``prefill_chunk_tokens`` prompt tokens (requests with an identical prompt, as GRPO sends them,
    share one prefill; a prompt longer than the budget is prefilled in chunks over several
    iterations, so running sequences keep decoding meanwhile);
-2. runs that prefill as one batched forward and samples the first token of every prompt it
-   finished;
+2. runs that prefill as one batched forward and samples the first token of every request whose
+   prompt it finished (a request that stops there, like a one-token GRPO sample, never takes a
+   decode row: only the requests that continue get one, with a copy of the prompt's state);
 3. runs one decode step over every running sequence: one forward, batched sampling on the
    device, one device-to-host copy of the sampled tokens and their log-probs;
 4. retires the finished sequences and compacts the slots (the state of decoding sequences
@@ -22,6 +23,13 @@ weights they started with, then the new tensors are copied in (in place: the run
 graphs keep reading the same tensors) and admission resumes. A completion is thus produced by
 exactly one weight version, which it reports.
 
+Many short requests stay cheap: a request is validated once per distinct prompt and sampling
+parameters in a call (a GRPO batch repeats each prompt 8-16 times with one set of parameters and
+its own seed), requests with equal parameters share one :class:`~miles_core.engine.stopping.StopRule`,
+the random numbers of a step are drawn for all rows at once (:func:`~miles_core.engine.sampling.uniforms`),
+and :meth:`Engine.generate` waits for its whole batch with one wakeup instead of one future per
+request.
+
 Use it in-process (``Engine.generate``, ``Engine.update_weights``) or over HTTP
 (:mod:`miles_core.engine.server`).
 """
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import logging
 import random
 import threading
@@ -37,10 +46,11 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles_core.engine.base import (
@@ -52,8 +62,8 @@ from miles_core.engine.base import (
 )
 from miles_core.engine.loader import LoadedModel, check_weights, load_model, read_safetensors_dir
 from miles_core.engine.runner import RUNNERS, Runner, build_runner
-from miles_core.engine.sampling import RowParams, filters, sample_rows
-from miles_core.engine.stopping import Stop, StopChecker
+from miles_core.engine.sampling import RowParams, filters, row_values, sample_rows, uniforms
+from miles_core.engine.stopping import Stop, StopChecker, StopRule
 from miles_core.errors import ConfigError
 from miles_core.hardware.devices import bind_device, device_supports
 
@@ -107,30 +117,111 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1, got {chunk!r}")
 
 
-@dataclass(eq=False)
-class _Sequence:
-    request_id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    seed: int
-    stopper: StopChecker
-    future: Future
-    weight_version: str
-    submitted: float
-    filtering: bool  # needs the top-k / top-p sort
-    rng: random.Random = field(init=False)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    row: int = -1  # where its state is (a decode row, or a staging row mid-prefill)
-    target: int = -1  # the decode row it takes when its prefill completes
-    prefilled: int = 0  # prompt tokens already in the row's state
-    #: sequences with the same prompt that copy this one's state when its prefill completes
-    followers: list[_Sequence] = field(default_factory=list)
-    admitted: float = 0.0
-    first_token: float = 0.0
+class _Spec:
+    """What requests with equal sampling parameters (their seeds aside) share, checked once."""
 
-    def __post_init__(self) -> None:
-        self.rng = random.Random(self.seed)
+    __slots__ = ("filtering", "greedy", "needs_row", "rule", "values")
+
+    def __init__(self, params: SamplingParams, rule: StopRule, vocab_size: int) -> None:
+        self.rule = rule
+        self.values = row_values(params, vocab_size)  # the RowParams entry
+        self.filtering = filters(params, vocab_size)  # needs the top-k / top-p sort
+        self.greedy = params.greedy
+        #: whether it can continue past its first token (a one-token request never takes a decode row)
+        self.needs_row = rule.limit > 1
+
+
+class _Batch:
+    """The outcome of one :meth:`Engine.generate` call: its caller wakes once, when the last
+    request of the batch is done. Written by the loop thread only."""
+
+    __slots__ = ("errors", "event", "left", "results")
+
+    def __init__(self, n: int) -> None:
+        self.results: list[Completion | None] = [None] * n
+        self.errors: list[tuple[int, BaseException]] = []
+        self.left = n
+        self.event = threading.Event()
+
+    def _one_done(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.event.set()
+
+    def outcome(self) -> list[Completion]:
+        if self.errors:
+            raise min(self.errors, key=lambda e: e[0])[1]  # the first failed request's error, in order
+        return self.results  # type: ignore[return-value]
+
+
+class _Sequence:
+    """One request inside the engine (``__slots__``: a GRPO step makes hundreds of them)."""
+
+    __slots__ = (
+        "admitted",
+        "batch",
+        "checker",
+        "done",
+        "first_token",
+        "followers",
+        "future",
+        "index",
+        "logprobs",
+        "prefilled",
+        "prompt",
+        "prompt_hash",
+        "request_id",
+        "row",
+        "seed",
+        "spec",
+        "submitted",
+        "tokens",
+        "weight_version",
+    )
+
+    def __init__(self, request_id: str, prompt: tuple[int, ...], prompt_hash: int, spec: _Spec, seed: int,
+                 checker: StopChecker | None, submitted: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_hash = prompt_hash
+        self.spec = spec
+        self.seed = seed
+        self.checker = checker  # only with stop strings (they need per-sequence state)
+        self.submitted = submitted
+        #: where the outcome goes: a future (``submit``) or a slot of a batch (``generate``)
+        self.future: Future[Completion] | None = None
+        self.batch: _Batch | None = None
+        self.index = 0
+        self.weight_version = ""
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.row = -1  # where its state is (a decode row, or the prefill's row until its first token)
+        self.prefilled = 0  # prompt tokens already in the row's state
+        #: sequences with the same prompt that start from this one's state when its prefill completes
+        self.followers: list[_Sequence] = []
+        self.admitted = 0.0
+        self.first_token = 0.0
+        self.done = False
+
+    def start(self) -> bool:
+        """Claim it for running: ``False`` when its future was cancelled meanwhile."""
+        return self.future is None or self.future.set_running_or_notify_cancel()
+
+    def resolve(self, completion: Completion) -> None:
+        self.done = True
+        if self.batch is not None:
+            self.batch.results[self.index] = completion
+            self.batch._one_done()
+        elif self.future is not None:
+            self.future.set_result(completion)
+
+    def fail(self, exc: BaseException) -> None:
+        self.done = True
+        if self.batch is not None:
+            self.batch.errors.append((self.index, exc))
+            self.batch._one_done()
+        elif self.future is not None:
+            self.future.set_exception(exc)
 
 
 @dataclass
@@ -188,7 +279,17 @@ class Engine:
         self._uniforms_host = torch.zeros(
             rows, dtype=torch.float64, pin_memory=device_supports(self.device, "pinned_memory_async_copy")
         )
+        self._uniforms_view = self._uniforms_host.numpy()
+        # per decode row: the request's seed and how many numbers its stream has given (moved with the row)
+        self._row_seed = np.zeros(rows, dtype=np.uint64)
+        self._row_drawn = np.zeros(rows, dtype=np.uint64)
+        self._first_draws = np.zeros(rows, dtype=np.uint64)  # a first token is number 0 of its stream
+        # the first tokens of a prefill are sampled in chunks of this many rows (bounds their logits' memory)
+        self._sample_chunk = rows
+        self._prefill_params = RowParams(rows, self.vocab_size, self.device)
         self._seed_source = random.Random(self.config.seed)
+        self._request_ids = itertools.count()
+        self._request_prefix = uuid.uuid4().hex[:12] + "-"
         self._version = self.config.weight_version
         self._updates_applied = 0
         self._broken_weights: str | None = None  # why generation is refused, after a failed update
@@ -263,32 +364,12 @@ class Engine:
 
         Every request is validated first: if one is invalid, none is queued.
         """
-        checked = [self._check(request) for request in requests]
+        sequences = self._sequences(requests)
         futures: list[Future[Completion]] = []
-        now = time.perf_counter()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            if self._broken_weights or self._crashed:
-                raise RuntimeError(self._broken_weights or self._crashed)
-            for request, (prompt, room) in zip(requests, checked):
-                params = request.sampling
-                future: Future[Completion] = Future()
-                self._waiting.append(
-                    _Sequence(
-                        request_id=request.request_id or uuid.uuid4().hex,
-                        prompt=prompt,
-                        params=params,
-                        seed=params.seed if params.seed is not None else self._seed_source.getrandbits(63),
-                        stopper=StopChecker(params, eos_token_ids=self.eos_token_ids, room=room, decode=self._decode),
-                        future=future,
-                        weight_version=self._version,
-                        submitted=now,
-                        filtering=filters(params, self.vocab_size),
-                    )
-                )
-                futures.append(future)
-            self._cond.notify_all()
+        for sequence in sequences:
+            sequence.future = future = Future()
+            futures.append(future)
+        self._enqueue(sequences)
         return futures
 
     def abort(self, future: Future[Completion]) -> None:
@@ -299,33 +380,98 @@ class Engine:
             self._cond.notify_all()
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        """Generate every request (batched together) and return the completions in order."""
-        return [f.result() for f in self.submit_many(requests)]
+        """Generate every request (batched together) and return the completions in order.
 
-    def _check(self, request: GenerationRequest) -> tuple[tuple[int, ...], int]:
-        prompt = self.check_prompt(request.input_ids)
-        params = request.sampling
-        room = self.max_model_len - len(prompt)
-        if params.max_tokens > room:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"{params.max_tokens} new tokens after a {len(prompt)}-token prompt exceed max_model_len "
-                f"{self.max_model_len} (at most {room} allowed)",
-            )
+        Validated like :meth:`submit_many`; if requests fail, the error of the first failed one
+        (in order) is raised once every request is done."""
+        sequences = self._sequences(requests)
+        if not sequences:
+            return []
+        batch = _Batch(len(sequences))
+        for index, sequence in enumerate(sequences):
+            sequence.batch, sequence.index = batch, index
+        self._enqueue(sequences)
+        batch.event.wait()
+        return batch.outcome()
+
+    def _sequences(self, requests: Sequence[GenerationRequest]) -> list[_Sequence]:
+        """Validate ``requests`` (raising before anything is queued) into sequences.
+
+        Each distinct prompt object and each distinct sampling-parameter object is checked once
+        (the caches hold the objects, so their ids stay theirs); equal prompts share one tuple
+        and equal parameters (seed aside) one :class:`_Spec`."""
+        prompts: dict[int, tuple[object, tuple[int, ...], int]] = {}
+        prompt_values: dict[tuple[int, ...], tuple[object, tuple[int, ...], int]] = {}
+        specs: dict[int, tuple[SamplingParams, _Spec]] = {}
+        spec_values: dict[tuple[Any, ...], _Spec] = {}
+        ids, prefix, seed_source = self._request_ids, self._request_prefix, self._seed_source
+        max_model_len = self.max_model_len
+        now = time.perf_counter()
+        sequences: list[_Sequence] = []
+        for request in requests:
+            input_ids = request.input_ids
+            entry = prompts.get(id(input_ids))
+            if entry is None:
+                prompt = self.check_prompt(input_ids)
+                entry = prompt_values.get(prompt)
+                if entry is None:
+                    entry = prompt_values[prompt] = (input_ids, prompt, hash(prompt))
+                prompts[id(input_ids)] = (input_ids, entry[1], entry[2])
+            params = request.sampling
+            known = specs.get(id(params))
+            if known is None:
+                key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.stop,
+                       params.stop_token_ids, params.ignore_eos)
+                spec = spec_values.get(key)
+                if spec is None:
+                    spec = spec_values[key] = self._spec(params)
+                specs[id(params)] = (params, spec)
+            else:
+                spec = known[1]
+            prompt = entry[1]
+            if params.max_tokens > max_model_len - len(prompt):
+                room = max_model_len - len(prompt)
+                raise InvalidRequestError(
+                    "max_tokens",
+                    f"{params.max_tokens} new tokens after a {len(prompt)}-token prompt exceed max_model_len "
+                    f"{max_model_len} (at most {room} allowed)",
+                )
+            seed = params.seed
+            checker = None
+            if params.stop:
+                checker = StopChecker(params, eos_token_ids=(), room=max_model_len, decode=self._decode, rule=spec.rule)
+            sequences.append(_Sequence(
+                request.request_id or f"{prefix}{next(ids)}", prompt, entry[2], spec,
+                seed if seed is not None else seed_source.getrandbits(63), checker, now,
+            ))
+        return sequences
+
+    def _spec(self, params: SamplingParams) -> _Spec:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"token ids {bad} are outside the vocabulary (size {self.vocab_size})")
-        return prompt, room
+        rule = StopRule(params, eos_token_ids=self.eos_token_ids, room=self.max_model_len)
+        return _Spec(params, rule, self.vocab_size)
+
+    def _enqueue(self, sequences: list[_Sequence]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if self._broken_weights or self._crashed:
+                raise RuntimeError(self._broken_weights or self._crashed)
+            self._waiting.extend(sequences)
+            self._cond.notify_all()
 
     def check_prompt(self, input_ids: Sequence[int]) -> tuple[int, ...]:
         prompt = tuple(input_ids)
         if not prompt:
             raise InvalidRequestError("input_ids", "must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(type(t) is int or (isinstance(t, int) and not isinstance(t, bool)) for t in prompt):
             raise InvalidRequestError("input_ids", "must be a list of integers")
-        out_of_range = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if out_of_range:
-            raise InvalidRequestError("input_ids", f"token ids {out_of_range[:5]} are outside the vocabulary (size {self.vocab_size})")
+        vocab = self.vocab_size
+        if not (min(prompt) >= 0 and max(prompt) < vocab):
+            out_of_range = [t for t in prompt if not 0 <= t < vocab]
+            raise InvalidRequestError("input_ids", f"token ids {out_of_range[:5]} are outside the vocabulary (size {vocab})")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 "input_ids", f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}, leaving no room to generate"
@@ -383,6 +529,11 @@ class Engine:
     def _running_count(self) -> int:
         return self._decoding + sum(1 + len(s.followers) for s in self._staged)
 
+    def _reserved_rows(self) -> int:
+        """Decode rows in use or promised: decoding rows, and a row for each staged prompt and
+        each of its followers that may continue past its first token."""
+        return self._decoding + sum(1 + sum(f.spec.needs_row for f in s.followers) for s in self._staged)
+
     def _loop(self) -> None:
         try:
             self._serve()
@@ -391,8 +542,8 @@ class Engine:
             with self._cond:
                 self._crashed = f"the engine loop crashed: {type(exc).__name__}: {exc}"
                 for sequence in self._running():
-                    if not sequence.future.done():
-                        sequence.future.set_exception(RuntimeError(self._crashed))
+                    if not sequence.done:
+                        sequence.fail(RuntimeError(self._crashed))
                 self._fail_waiting(RuntimeError(self._crashed))
 
     def _serve(self) -> None:
@@ -422,8 +573,8 @@ class Engine:
                         affected = {id(s): s for s in [*(seg.sequence for seg in plan), *self._running()]}
                         for sequence in affected.values():
                             for member in (sequence, *sequence.followers):
-                                if not member.future.done():
-                                    member.future.set_exception(exc)
+                                if not member.done:
+                                    member.fail(exc)
                         self._slots = [None] * len(self._slots)
                         self._decoding = 0
                         self._staged.clear()
@@ -431,8 +582,8 @@ class Engine:
     def _fail_waiting(self, exc: Exception) -> None:
         while self._waiting:
             sequence = self._waiting.popleft()
-            if sequence.future.set_running_or_notify_cancel():
-                sequence.future.set_exception(exc)
+            if sequence.start():
+                sequence.fail(exc)
         while self._updates:
             self._updates.popleft().future.set_exception(exc)
 
@@ -454,7 +605,11 @@ class Engine:
 
     def _plan(self) -> list[_Segment]:
         """This iteration's prefill: staged prompts continue first, then waiting requests are
-        admitted (first come, first served) while slots and the token budget last."""
+        admitted (first come, first served) while decode rows and the token budget last.
+
+        A request whose prompt is being prefilled (now or in an earlier chunk) follows that
+        prompt's request: it costs no prefill, and no row unless it may continue past its first
+        token."""
         budget = self._chunk_tokens
         staging = self._runner.staging
         plan: list[_Segment] = []
@@ -464,14 +619,24 @@ class Engine:
             take = min(len(staged.prompt) - staged.prefilled, budget)
             plan.append(_Segment(staged, staged.prefilled, list(staged.prompt[staged.prefilled : staged.prefilled + take])))
             budget -= take
-        free = self.config.max_batch_size - self._running_count()
-        # a request whose prompt is being prefilled (now or in an earlier chunk) copies that state
-        leaders: dict[tuple[int, ...], _Sequence] = {s.prompt: s for s in self._staged}
+        free = self.config.max_batch_size - self._reserved_rows()
+        leaders: dict[int, list[_Sequence]] = {}  # by prompt hash
+        for staged in self._staged:
+            leaders.setdefault(staged.prompt_hash, []).append(staged)
         now = time.perf_counter()
-        while self._waiting and free > 0 and not (self._updates or self._closed):
-            sequence = self._waiting[0]
-            leader = leaders.get(sequence.prompt)
-            whole = len(sequence.prompt)
+        waiting = self._waiting
+        while waiting and not (self._updates or self._closed):
+            sequence = waiting[0]
+            prompt = sequence.prompt
+            leader = None
+            for candidate in leaders.get(sequence.prompt_hash, ()):
+                if candidate.prompt is prompt or candidate.prompt == prompt:
+                    leader = candidate
+                    break
+            cost = 1 if leader is None or sequence.spec.needs_row else 0
+            if cost > free:
+                break
+            whole = len(prompt)
             if leader is not None:
                 take = 0
             elif whole <= budget:
@@ -484,17 +649,17 @@ class Engine:
                 take = budget
             else:
                 break
-            self._waiting.popleft()
-            if not sequence.future.set_running_or_notify_cancel():
+            waiting.popleft()
+            if not sequence.start():
                 continue
             sequence.weight_version = self._version
             sequence.admitted = now
-            free -= 1
+            free -= cost
             if leader is not None:
                 leader.followers.append(sequence)
                 continue
-            leaders[sequence.prompt] = sequence
-            plan.append(_Segment(sequence, 0, list(sequence.prompt[:take])))
+            leaders.setdefault(sequence.prompt_hash, []).append(sequence)
+            plan.append(_Segment(sequence, 0, list(prompt[:take])))
             budget -= take
             if take < whole:
                 self._staged.append(sequence)
@@ -502,127 +667,180 @@ class Engine:
         return plan
 
     def _assign_rows(self, plan: list[_Segment]) -> None:
-        """Prompts that complete in this prefill get the decode rows after the current ones (leader,
-        then its followers); a new prompt prefills in its decode row, or in a free staging row when
-        it needs more chunks. Sets the sampling parameters of rows taken for the first time."""
-        target = self._decoding
+        """A new prompt that completes in this prefill is prefilled in the decode row it would take
+        if every one of its requests continued (leader first, then the followers that may), so in
+        the usual case its state is already where it decodes; one that needs more chunks takes a
+        free staging row."""
+        offset = self._decoding
         busy = {s.row for s in self._staged}
-        fresh: list[_Sequence] = []
         for segment in plan:
             leader = segment.sequence
             if segment.completes:
-                for member in (leader, *leader.followers):
-                    member.target = target
-                    target += 1
-                fresh.extend(leader.followers)
-            if leader.row < 0:
-                if segment.completes:
-                    leader.row = leader.target
-                else:
-                    leader.row = next(r for r in range(self.config.max_batch_size, self._runner.rows) if r not in busy)
-                    busy.add(leader.row)
-                fresh.append(leader)
-        rows = [s.target if s.row < 0 else s.row for s in fresh]
-        self._row_params.set(rows, [s.params for s in fresh])
+                if leader.row < 0:
+                    leader.row = offset
+                offset += 1 + sum(f.spec.needs_row for f in leader.followers)
+            elif leader.row < 0:
+                leader.row = next(r for r in range(self.config.max_batch_size, self._runner.rows) if r not in busy)
+                busy.add(leader.row)
 
     # -- prefill and decode (outside the lock) -----------------------------------------------
 
     def _prefill(self, plan: list[_Segment]) -> None:
+        """Run the planned chunks; for every prompt that completes, sample the first token of each
+        of its requests, give a decode row (and a copy of the prompt's state) to those that
+        continue, and retire the others."""
         runner = self._runner
         runner.reset_rows([seg.sequence.row for seg in plan if seg.start == 0])
         logits = runner.prefill([seg.sequence.row for seg in plan], [seg.start for seg in plan], [seg.tokens for seg in plan])
-        self._counters["prefill_steps"] += 1
-        self._counters["prefill_tokens"] += sum(len(seg.tokens) for seg in plan)
-        sources, targets, members, logit_rows = [], [], [], []
+        counters = self._counters
+        counters["prefill_steps"] += 1
+        counters["prefill_tokens"] += sum(len(seg.tokens) for seg in plan)
+        members: list[_Sequence] = []
+        logit_rows: list[int] = []
+        sources: list[int] = []  # the row holding each member's prompt state
+        completed: list[_Sequence] = []
         for index, segment in enumerate(plan):
             leader = segment.sequence
             leader.prefilled += len(segment.tokens)
             if not segment.completes:
                 continue
-            self._counters["prefills"] += 1
-            prefill_row = leader.row
-            for member in (leader, *leader.followers):
-                if member.target != prefill_row:
-                    sources.append(prefill_row)
-                    targets.append(member.target)
-                member.row = member.target
-                members.append(member)
-                logit_rows.append(index)
+            completed.append(leader)
+            members.append(leader)
+            members.extend(leader.followers)
+            group = 1 + len(leader.followers)
+            logit_rows.extend(itertools.repeat(index, group))
+            sources.extend(itertools.repeat(leader.row, group))
         if not members:
             return
-        if sources:
-            self._copy_rows(sources, targets)
+        counters["prefills"] += len(completed)
+        tokens, logprobs = self._sample_first(members, logits, logit_rows)
+        counters["generated_tokens"] += len(members)
+        now = time.perf_counter()
+        finished: list[tuple[_Sequence, Stop]] = []
+        continuing: list[_Sequence] = []
+        moves: list[tuple[int, int]] = []
+        first_tokens: list[int] = []
+        target = self._decoding
+        for member, source, token, logprob in zip(members, sources, tokens, logprobs):
+            member.tokens.append(token)
+            member.logprobs.append(logprob)
+            member.first_token = now
+            if member.checker is not None:
+                stop = member.checker.check(member.tokens)
+            else:
+                stop = member.spec.rule.check_token(token, 1)
+            if stop is not None:
+                finished.append((member, stop))
+                continue
+            if source != target:
+                moves.append((source, target))
+            member.row = target
+            target += 1
+            continuing.append(member)
+            first_tokens.append(token)
+        start = self._decoding
+        if moves:
+            runner.copy_rows([m[0] for m in moves], [m[1] for m in moves])
+        if continuing:
+            rows = range(start, target)
+            self._row_params.set_values(rows, [m.spec.values for m in continuing])
+            self._next_tokens[start:target] = torch.tensor(first_tokens, dtype=torch.long).to(self.device, non_blocking=True)
+            self._row_seed[start:target] = [m.seed for m in continuing]
+            self._row_drawn[start:target] = 1
+        # prefill rows that nobody decodes in keep no tokens (see Runner.clear_lengths)
+        used = max((r for r in sources if r < self.config.max_batch_size), default=-1) + 1
+        if used > target:
+            runner.clear_lengths(range(target, used))
         with self._cond:
-            for segment in plan:
-                if segment.completes and segment.sequence in self._staged:
-                    self._staged.remove(segment.sequence)
-            for member in members:
-                self._slots[member.row] = member
-            self._decoding += len(members)
-        rows = torch.tensor([m.row for m in members], device=self.device)
-        index = torch.tensor(logit_rows, device=self.device)
-        self._sample_and_advance(members, logits[index], rows)
+            for leader in completed:
+                if leader in self._staged:
+                    self._staged.remove(leader)
+            slots = self._slots
+            for member in continuing:
+                slots[member.row] = member
+            self._decoding = target
+        self._retire(finished, now)
+
+    def _sample_first(self, members: list[_Sequence], logits: torch.Tensor, logit_rows: list[int]) -> tuple[list[int], list[float]]:
+        """The first token of each member from its prompt's logits (``logits[logit_rows[i]]``), in
+        chunks of at most :attr:`_sample_chunk` rows."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        params = self._prefill_params
+        chunk = self._sample_chunk
+        for lo in range(0, len(members), chunk):
+            part = members[lo : lo + chunk]
+            n = len(part)
+            params.set_values(range(n), [m.spec.values for m in part])
+            uniforms(np.fromiter((m.seed for m in part), dtype=np.uint64, count=n), self._first_draws[:n],
+                     out=self._uniforms_view[:n])
+            index = logit_rows[lo : lo + chunk]
+            rows = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=self.device)]
+            specs = {m.spec for m in part}
+            sampled, chosen = sample_rows(
+                rows, params.temperature[:n], params.top_k[:n], params.top_p[:n], params.greedy[:n],
+                self._uniforms_host[:n].to(self.device, non_blocking=True),
+                filtering=any(s.filtering for s in specs), any_greedy=any(s.greedy for s in specs),
+            )
+            host = torch.stack([sampled.double(), chosen.double()]).cpu()
+            tokens.extend(host[0].long().tolist())
+            logprobs.extend(host[1].tolist())
+        return tokens, logprobs
 
     def _decode_step(self) -> None:
+        """One token for every decoding sequence; retire those that stop."""
         n = self._decoding
         logits = self._runner.decode(self._next_tokens[:n])
         self._counters["decode_steps"] += 1
-        self._sample_and_advance(self._slots[:n], logits, None)  # type: ignore[arg-type]
-
-    def _sample_and_advance(self, sequences: list[_Sequence], logits: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """Sample a token for each sequence (``rows``: their rows; ``None``: rows ``[0, n)``), copy
-        tokens and log-probs to the host in one transfer, retire finished sequences."""
-        n = len(sequences)
+        sequences: list[_Sequence] = self._slots[:n]  # type: ignore[assignment]
         p = self._row_params
-        if rows is None:
-            temperature, top_k, top_p, greedy = p.temperature[:n], p.top_k[:n], p.top_p[:n], p.greedy[:n]
-        else:
-            temperature, top_k, top_p, greedy = p.temperature[rows], p.top_k[rows], p.top_p[rows], p.greedy[rows]
-        uniforms = self._uniforms_host[:n]
-        uniforms.copy_(torch.tensor([s.rng.random() for s in sequences], dtype=torch.float64))
+        uniforms(self._row_seed[:n], self._row_drawn[:n], out=self._uniforms_view[:n])
+        self._row_drawn[:n] += 1
+        specs = {s.spec for s in sequences}
         tokens, logprobs = sample_rows(
-            logits, temperature, top_k, top_p, greedy, uniforms.to(self.device, non_blocking=True),
-            filtering=any(s.filtering for s in sequences), any_greedy=any(s.params.greedy for s in sequences),
+            logits, p.temperature[:n], p.top_k[:n], p.top_p[:n], p.greedy[:n],
+            self._uniforms_host[:n].to(self.device, non_blocking=True),
+            filtering=any(s.filtering for s in specs), any_greedy=any(s.greedy for s in specs),
         )
-        if rows is None:
-            self._next_tokens[:n] = tokens
-        else:
-            self._next_tokens[rows] = tokens
+        self._next_tokens[:n] = tokens
         host = torch.stack([tokens.double(), logprobs.double()]).cpu()
         self._counters["generated_tokens"] += n
-        now = time.perf_counter()
         finished: list[tuple[_Sequence, Stop]] = []
         for sequence, token, logprob in zip(sequences, host[0].long().tolist(), host[1].tolist()):
             generated = sequence.tokens
             generated.append(token)
             sequence.logprobs.append(logprob)
-            if len(generated) == 1:
-                sequence.first_token = now
-            if sequence.stopper.may_stop(token, len(generated)):
-                stop = sequence.stopper.check(generated)
-                if stop is not None:
-                    finished.append((sequence, stop))
+            if sequence.checker is not None:
+                stop = sequence.checker.check(generated)
+            else:
+                rule = sequence.spec.rule
+                if token not in rule.stop_ids and len(generated) < rule.limit:
+                    continue
+                stop = rule.check_token(token, len(generated))
+            if stop is not None:
+                finished.append((sequence, stop))
         if not finished:
             return
         with self._cond:
             for sequence, _ in finished:
                 self._slots[sequence.row] = None
             self._compact()
+        self._retire(finished, time.perf_counter())
+
+    def _retire(self, finished: list[tuple[_Sequence, Stop]], now: float) -> None:
         for sequence, stop in finished:
-            sequence.future.set_result(
-                Completion(
-                    request_id=sequence.request_id,
-                    prompt_ids=sequence.prompt,
-                    token_ids=tuple(sequence.tokens),
-                    logprobs=tuple(sequence.logprobs),
-                    finish_reason=stop.reason,
-                    matched_stop=stop.matched,
-                    weight_version=sequence.weight_version,
-                    seed=sequence.seed,
-                    timing=Timing(sequence.admitted - sequence.submitted, sequence.first_token - sequence.submitted,
-                                  now - sequence.submitted),
-                )
-            )
+            submitted = sequence.submitted
+            sequence.resolve(Completion(
+                request_id=sequence.request_id,
+                prompt_ids=sequence.prompt,
+                token_ids=tuple(sequence.tokens),
+                logprobs=tuple(sequence.logprobs),
+                finish_reason=stop.reason,
+                matched_stop=stop.matched,
+                weight_version=sequence.weight_version,
+                seed=sequence.seed,
+                timing=Timing(sequence.admitted - submitted, sequence.first_token - submitted, now - submitted),
+            ))
 
     def _compact(self) -> None:
         """Move decoding sequences into the holes below ``n`` so they occupy rows ``[0, n)``."""
@@ -642,38 +860,41 @@ class Engine:
         self._runner.clear_lengths(range(n, used))
 
     def _copy_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Decode rows ``targets`` take everything of rows ``sources``: model state, sampling
+        parameters, next token, random stream."""
         self._runner.copy_rows(sources, targets)
         src = torch.tensor(sources, device=self.device)
         dst = torch.tensor(targets, device=self.device)
         self._row_params.copy_rows(src, dst)
         self._next_tokens[dst] = self._next_tokens[src]
+        self._row_seed[targets] = self._row_seed[sources]
+        self._row_drawn[targets] = self._row_drawn[sources]
 
     def _drop_aborted(self) -> None:
-        aborted = RequestAborted
-        hit = [s for s in self._slots[: self._decoding] if s is not None and s.future in self._aborted]
+        aborted = self._aborted
+        hit = [s for s in self._slots[: self._decoding] if s is not None and s.future in aborted]
         for sequence in hit:
             self._slots[sequence.row] = None
         if hit:
             self._compact()
         for staged in list(self._staged):
-            for follower in [f for f in staged.followers if f.future in self._aborted]:
+            for follower in [f for f in staged.followers if f.future in aborted]:
                 staged.followers.remove(follower)
                 hit.append(follower)
-            if staged.future in self._aborted:  # its followers still need the prompt: one takes over
+            if staged.future in aborted:  # its followers still need the prompt: one takes over
                 self._staged.remove(staged)
                 hit.append(staged)
                 if staged.followers:
                     heir, *rest = staged.followers
                     heir.row, heir.prefilled, heir.followers = staged.row, staged.prefilled, rest
-                    self._row_params.set([heir.row], [heir.params])
                     self._staged.append(heir)
         for sequence in hit:
-            sequence.future.set_exception(aborted(f"request {sequence.request_id} was aborted"))
-        for sequence in [s for s in self._waiting if s.future in self._aborted]:
+            sequence.fail(RequestAborted(f"request {sequence.request_id} was aborted"))
+        for sequence in [s for s in self._waiting if s.future in aborted]:
             self._waiting.remove(sequence)
-            if sequence.future.set_running_or_notify_cancel():
-                sequence.future.set_exception(aborted(f"request {sequence.request_id} was aborted"))
-        self._aborted.clear()
+            if sequence.start():
+                sequence.fail(RequestAborted(f"request {sequence.request_id} was aborted"))
+        aborted.clear()
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._loop_tokenizer.decode(list(token_ids), skip_special_tokens=False)

@@ -6,9 +6,11 @@ smallest prefix of that renormalised distribution whose mass reaches ``top_p`` (
 crosses the threshold is kept). The returned log-probs are those of this final distribution.
 Greedy rows (temperature 0) take the argmax and report the unmodified model distribution.
 
-A token is drawn by inverting the distribution's CDF at a uniform number taken from the
-request's own ``random.Random(seed)``: one number per step, whatever the batch, so a request
-produces the same tokens alone or batched with others.
+A token is drawn by inverting the distribution's CDF at a uniform number: the ``i``-th token of a
+request uses the ``i``-th number of the SplitMix64 stream seeded with the request's seed
+(:func:`uniform`), so a request produces the same tokens alone or batched with others. The
+numbers of a whole step are computed at once (:func:`uniforms`, vectorised on the host: no
+generator object per request).
 
 The parameters live in per-row device tensors (:class:`RowParams`, set once when a request takes
 a row, moved with it), so a step builds no per-request tensors: :func:`sample_rows` is a fixed
@@ -19,9 +21,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from miles_core.engine.base import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def uniform(seed: int, draw: int) -> float:
+    """Number ``draw`` (0-based) of the SplitMix64 stream seeded with ``seed``, in ``[0, 1)``: the
+    reference :func:`uniforms` computes in bulk."""
+    z = (seed + (draw + 1) * _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def uniforms(seeds: np.ndarray, draws: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`uniform` of ``(seeds[i], draws[i])`` for every ``i`` (uint64 arrays in, float64 out;
+    numpy's unsigned arithmetic wraps modulo 2**64 as SplitMix64 needs)."""
+    z = seeds + (draws + np.uint64(1)) * np.uint64(_GAMMA)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_MIX2)
+    z ^= z >> np.uint64(31)
+    z >>= np.uint64(11)
+    return np.multiply(z, 2.0**-53, out=out, dtype=np.float64, casting="unsafe")
 
 
 class RowParams:
@@ -35,15 +65,31 @@ class RowParams:
         self.greedy = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def set(self, rows: Sequence[int], params: Sequence[SamplingParams]) -> None:
+        self.set_values(rows, [row_values(q, self.vocab_size) for q in params])
+
+    def set_values(self, rows: Sequence[int], values: Sequence[tuple[float, int, float, bool]]) -> None:
+        """Rows ``rows`` take ``values`` (:func:`row_values` tuples); a ``range`` of rows is written
+        as a slice."""
         if not rows:
             return
         device = self.temperature.device
-        index = torch.tensor(list(rows), device=device)
-        t, k, p, g = zip(*(_row_values(q, self.vocab_size) for q in params))
-        self.temperature[index] = torch.tensor(t, dtype=torch.float32, device=device)
-        self.top_k[index] = torch.tensor(k, dtype=torch.long, device=device)
-        self.top_p[index] = torch.tensor(p, dtype=torch.float32, device=device)
-        self.greedy[index] = torch.tensor(g, dtype=torch.bool, device=device)
+        if isinstance(rows, range) and rows.step == 1:
+            index: slice | torch.Tensor = slice(rows.start, rows.stop)
+        else:
+            index = torch.tensor(list(rows), device=device)
+        first = values[0]
+        if all(v == first for v in values):  # the usual case: one set of parameters (a GRPO batch)
+            t, k, p, g = first
+            self.temperature[index] = t
+            self.top_k[index] = k
+            self.top_p[index] = p
+            self.greedy[index] = g
+            return
+        table = torch.tensor(values, dtype=torch.float64).to(device)
+        self.temperature[index] = table[:, 0].float()
+        self.top_k[index] = table[:, 1].long()
+        self.top_p[index] = table[:, 2].float()
+        self.greedy[index] = table[:, 3].bool()
 
     def copy_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         for t in (self.temperature, self.top_k, self.top_p, self.greedy):
@@ -52,11 +98,12 @@ class RowParams:
 
 def filters(params: SamplingParams, vocab_size: int) -> bool:
     """Whether ``params`` needs the top-k / top-p filter (the sort) at this vocabulary size."""
-    _, k, p, _ = _row_values(params, vocab_size)
+    _, k, p, _ = row_values(params, vocab_size)
     return k < vocab_size or p < 1.0
 
 
-def _row_values(params: SamplingParams, vocab: int) -> tuple[float, int, float, bool]:
+def row_values(params: SamplingParams, vocab: int) -> tuple[float, int, float, bool]:
+    """``(temperature, top_k, top_p, greedy)`` of a row sampling with ``params``."""
     if params.greedy:
         return 1.0, vocab, 1.0, True
     top_k = params.top_k if 0 < params.top_k < vocab else vocab

@@ -1,4 +1,10 @@
-"""When a sequence stops: stop token ids, stop strings, max tokens and the context length."""
+"""When a sequence stops: stop token ids, stop strings, max tokens and the context length.
+
+A :class:`StopRule` is what requests with equal sampling parameters share (built once per
+distinct parameters, not per request); a :class:`StopChecker` adds the per-sequence state that
+stop strings need. Sequences without stop strings need no checker: :meth:`StopRule.check_token`
+decides from the newest token and the length alone.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,29 @@ from miles_core.engine.base import FinishReason, SamplingParams
 class Stop:
     reason: FinishReason
     matched: int | str | None = None
+
+
+LENGTH = Stop("length")
+
+
+class StopRule:
+    """The stop conditions of one set of sampling parameters (stateless, shared by sequences)."""
+
+    __slots__ = ("limit", "longest_stop", "stop", "stop_ids")
+
+    def __init__(self, params: SamplingParams, *, eos_token_ids: Iterable[int], room: int) -> None:
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        self.limit = min(params.max_tokens, room)
+        self.stop = params.stop
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
+
+    def check_token(self, token: int, length: int) -> Stop | None:
+        """The stop after ``token`` made the completion ``length`` long, stop strings aside."""
+        if token in self.stop_ids:
+            return Stop("stop", token)
+        if length >= self.limit:
+            return LENGTH
+        return None
 
 
 class StopChecker:
@@ -28,12 +57,13 @@ class StopChecker:
         eos_token_ids: Iterable[int],
         room: int,
         decode: Callable[[Sequence[int]], str],
+        rule: StopRule | None = None,
     ) -> None:
         self.params = params
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
-        self.limit = min(params.max_tokens, room)
+        self.rule = rule or StopRule(params, eos_token_ids=eos_token_ids, room=room)
+        self.stop_ids = self.rule.stop_ids
+        self.limit = self.rule.limit
         self.decode = decode
-        self._longest_stop = max((len(s) for s in params.stop), default=0)
         self._scanned = 0
 
     def may_stop(self, token: int, length: int) -> bool:
@@ -47,12 +77,12 @@ class StopChecker:
             return Stop("stop", last)
         if self.params.stop:
             text = self.decode(tokens)
-            start = max(0, self._scanned - self._longest_stop + 1)
+            start = max(0, self._scanned - self.rule.longest_stop + 1)
             found = [(text.find(stop, start), stop) for stop in self.params.stop]
             found = [(at, stop) for at, stop in found if at >= 0]
             if found:
                 return Stop("stop", min(found)[1])  # the earliest in the text
             self._scanned = len(text)
         if len(tokens) >= self.limit:
-            return Stop("length")
+            return LENGTH
         return None
