@@ -74,9 +74,15 @@ def resolve_device(setting: str) -> torch.device:
     return hardware_device(setting, "trainer.device")
 
 
+#: the most sequences the engine decodes at once: a step's whole rollout up to here (the small-gpu
+#: preset's 880) runs as one batch instead of waves; each slot's recurrent and conv state is
+#: preallocated, so the engine's memory grows with this
+MAX_ENGINE_BATCH = 1024
+
+
 def engine_batch_size(config: TrainConfig, num_prompts: int) -> int:
     per_step = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
-    return max(1, min(256, max(per_step, num_prompts)))
+    return max(1, min(MAX_ENGINE_BATCH, max(per_step, num_prompts)))
 
 
 @dataclass
