@@ -122,6 +122,8 @@ class RunResult:
             "startup_share": round(self.startup_s / self.seconds, 3) if self.seconds > 0 else None,
             "last": last,
             "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in self.records), default=None),
+            "mean_logprob_mismatch": (sum(r["logprob_mismatch_mean"] for r in self.records) / len(self.records)
+                                      if self.records else None),
             "metrics": str(self.out_dir / "metrics.jsonl"),
             "summary": str(self.out_dir / "summary.json"),
             "plot": str(self.out_dir / "plot.png") if (self.out_dir / "plot.png").exists() else None,

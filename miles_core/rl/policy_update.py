@@ -158,7 +158,9 @@ def policy_update(
 
     ``logprob_mismatch_*`` compares the trainer's log-probs with the rollout's on the first
     minibatch of the first epoch, before any weight moved: the same weights on both sides, so it
-    measures only numerics (packing leaks, dtype, kernel differences).
+    measures only numerics (packing leaks, dtype, kernel differences). ``logprob_mismatch_kl`` is
+    KL(rollout || trainer) there, estimated with k3 on the sampled tokens (they were drawn from
+    the rollout's distribution, which makes the estimate unbiased).
     ``extra_loss(row)`` adds a backend's auxiliary loss (MTP), already scaled.
 
     The minibatch's loss is ``sum_t w_t * (policy_t - entropy_coef * entropy_t + kl_coef * kl_t)``
@@ -176,7 +178,7 @@ def policy_update(
     method = settings.objective
     params = [p for p in params if p.requires_grad]
     sums: dict[str, float] = {}
-    mismatch_max, mismatch_sum, mismatch_n = 0.0, 0.0, 0
+    mismatch_max, mismatch_sum, mismatch_kl, mismatch_n = 0.0, 0.0, 0.0, 0
     grad_norms: list[float] = []
     updates = 0
     for epoch in range(algo.epochs):
@@ -217,6 +219,7 @@ def policy_update(
                     if epoch == 0 and mb_index == 0:
                         mismatch_max = max(mismatch_max, float(diff.max()))
                         mismatch_sum += float(diff.sum())
+                        mismatch_kl += float((kl_k3(rollout_lp, logprobs.detach()) * mask).sum())
                         mismatch_n += int(mask.sum())
                     _add(sums, "loss", float(loss.detach()) / scale)
                     _add(sums, "entropy", float((entropy.detach() * mask).sum()))
@@ -233,9 +236,9 @@ def policy_update(
             updates += 1
     if dp is not None:
         keys = ["loss", "entropy", "approx_kl", "clip_fraction", "trained_tokens", "row_tokens", "kl_ref"]
-        totals = dp.all_reduce([sums.get(k, 0.0) for k in keys] + [mismatch_sum, float(mismatch_n)])
+        totals = dp.all_reduce([sums.get(k, 0.0) for k in keys] + [mismatch_sum, mismatch_kl, float(mismatch_n)])
         sums = dict(zip(keys, totals[: len(keys)]))
-        mismatch_sum, mismatch_n = totals[-2], int(totals[-1])
+        mismatch_sum, mismatch_kl, mismatch_n = totals[-3], totals[-2], int(totals[-1])
         mismatch_max = dp.all_reduce([mismatch_max], op="max")[0]
     trained = max(sums.get("trained_tokens", 0.0), 1.0)
     out = {
@@ -246,6 +249,7 @@ def policy_update(
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         "logprob_mismatch_max": mismatch_max,
         "logprob_mismatch_mean": mismatch_sum / max(mismatch_n, 1),
+        "logprob_mismatch_kl": mismatch_kl / max(mismatch_n, 1),
         "optimizer_steps": float(updates),
         "train_tokens": sums.get("row_tokens", 0.0),
     }
