@@ -275,6 +275,10 @@ class LeanModel:
         self.l2_eps = _const(1e-6, self.device)  # transformers' and fla's l2norm epsilon
         with torch.no_grad():
             positions = torch.arange(max_model_len, device=self.device)[None]
+            if hasattr(core.rotary_emb, "mrope_section"):
+                # multimodal rope (Qwen3.5): one position grid per section; text uses the same
+                # positions in all three (older transformers releases do not broadcast them)
+                positions = positions[None].expand(3, 1, -1)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = core.rotary_emb(probe, positions)
         # HF rotates the first `rot` dims of each head: q*cos + rotate_half(q)*sin, rotate_half(q) =
