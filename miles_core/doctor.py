@@ -64,13 +64,17 @@ class DoctorReport:
         }
 
 
+#: a plugin record's status -> its check's status
+PLUGIN_STATUS: dict[str, Status] = {"ok": "ok", "broken": "fail", "blocked": "skip"}
+
+
 def check_plugins(pm: MilesPluginManager) -> list[CheckResult]:
     """Every installed plugin loads and registers; broken ones fail the doctor, slow ones (load
     time over the threshold, or a heavy import at discovery) are flagged with the measured time."""
     pm.collect_all()
     results = []
     for record in pm.plugins():
-        status: Status = {"ok": "ok", "broken": "fail", "blocked": "skip"}[record.status]
+        status = PLUGIN_STATUS[record.status]
         detail = record.reason or f"{record.distribution} {record.version}"
         item = pm.selector(record)
         results.append(CheckResult("plugins", item, status, detail, plugin=record.name))

@@ -46,10 +46,19 @@ def check(pm: MilesPluginManager) -> list[CheckResult]:
         for name, factory in getattr(patch, "example_models", dict)().items():
             item = f"{contribution.name}: {name}"
             try:
-                applied = prepare_model(factory(), pm=pm)[contribution.name]
+                prepared = prepare_model(factory(), pm=pm, probe=True)
             except MilesError as exc:  # reported as this item's failure, with the cause
                 results.append(CheckResult("patches", item, "fail", str(exc), plugin=plugin))
                 continue
+            if contribution.name not in prepared:
+                results.append(CheckResult(
+                    "patches", item, "fail",
+                    f"the patch does not apply to its own example model {prepared.model} "
+                    f"(matches() declined it and it holds none of the patch's targets)", plugin=plugin))
+                continue
+            applied = prepared[contribution.name]
+            if applied.probe is None:
+                raise RuntimeError(f"prepare_model(probe=True) returned no probe result for {contribution.name}")
             results.append(
                 CheckResult(
                     "patches",

@@ -54,3 +54,12 @@ def test_environment_problems_fail_the_doctor(miles_pm, toy: SimpleNamespace) ->
     report = run_doctor(miles_pm, ("patches",))
     result = {r.item: r for r in report.results}["toy-patch: environment"]
     assert result.status == "fail" and "foo" in result.detail and not report.ok
+
+
+def test_an_example_model_the_patch_declines_is_a_failed_check(miles_pm, toy: SimpleNamespace) -> None:
+    other = toy.make_layer("OtherMixer")
+    register(miles_pm, with_examples(toy.Patch(toy.layer, match=False), unrelated=lambda: toy.Model(other)))
+    report = run_doctor(miles_pm, ("patches",))
+    failed = {r.item: r for r in report.results}["toy-patch: unrelated"]
+    assert failed.status == "fail" and "does not apply to its own example model" in failed.detail
+    assert not report.ok
