@@ -76,7 +76,7 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
 
     async def health(request: Request) -> Response:
         problem = engine.problem
-        body = {"status": "error" if problem else "ok", "model": engine.name, "weight_version": engine.weight_version, **engine.stats()}
+        body: dict[str, object] = {"status": "error" if problem else "ok", "model": engine.name, "weight_version": engine.weight_version, **engine.stats()}
         if problem:
             body["error"] = {"type": "engine_unavailable", "message": problem}
         return JSONResponse(body, status_code=503 if problem else 200)
@@ -226,5 +226,9 @@ def launch_embedded(
     if (model_path is None) == (preset is None):
         raise ConfigError("give exactly one of model_path or preset")
     config = EngineConfig(**engine_options)
-    engine = Engine.from_preset(preset, config) if preset else Engine.from_pretrained(model_path, config)
+    if preset is not None:
+        engine = Engine.from_preset(preset, config)
+    else:
+        assert model_path is not None  # exactly one of the two: checked above
+        engine = Engine.from_pretrained(model_path, config)
     return EmbeddedServer(engine, host=host, port=port, default_max_tokens=default_max_tokens).start()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from miles_core.ci.register import register_cpu_ci
@@ -43,6 +44,14 @@ def test_serve_needs_exactly_one_model_source(tmp_path) -> None:
         assert "exactly one of --model DIR or --preset NAME" in str(result.exception)
     result = subprocess.run([sys.executable, "-m", "miles_core", "engine", "serve", "--model", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "config.json is missing" in result.stderr
+
+
+def test_launch_names_an_empty_preset_as_unknown() -> None:
+    from miles_core.engine.server import launch_embedded
+    from miles_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown preset ''"):
+        launch_embedded(preset="")
 
 
 def test_presets_json() -> None:
