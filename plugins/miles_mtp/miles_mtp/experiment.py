@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles_core.errors import MilesError
 from miles_mtp.adapter import LabelAdapter, install, installed_adapter
 from miles_mtp.batching import Sample, pack
 from miles_mtp.harness import MTPLosses, TinyGPTConfig, build_tiny_gpt, evaluate, train_step
@@ -81,8 +82,13 @@ def learning_run(
     import torch
 
     torch.manual_seed(seed)
-    model, _ = build_tiny_gpt(TinyGPTConfig(vocab_size=VOCAB_SIZE, mtp_num_layers=mtp_num_layers), device, pm)
+    model, report = build_tiny_gpt(TinyGPTConfig(vocab_size=VOCAB_SIZE, mtp_num_layers=mtp_num_layers), device, pm)
     correct = installed_adapter(model)
+    if correct is None:
+        raise MilesError(
+            f"no MTP label adapter on the tiny GPTModel: the mtp-labels patch of miles-mtp was not applied "
+            f"(patches applied: {list(report.applied) or 'none'}); pass a plugin manager with miles-mtp active"
+        )
     held_out = pack([arithmetic_sample(random.Random(10_000 + i)) for i in range(16)])
     initial = evaluate(model, held_out)
     if extra_shift:
