@@ -20,7 +20,13 @@ from miles_core.rl.aio import BackgroundLoop
 from miles_core.rl.algorithms.base import Algorithm
 from miles_core.rl.config import TrainConfig
 from miles_core.rl.rewards import RewardRunner
-from miles_core.rl.rollout.base import GenerationEngine, Rollout, RolloutContext, RolloutFunction, Tokenizer
+from miles_core.rl.rollout.base import (
+    GenerationEngine,
+    Rollout,
+    RolloutContext,
+    RolloutFunction,
+    load_tokenizer,
+)
 from miles_core.rl.tasks import TrainableTask, resolve_reward, trainable
 from miles_core.rl.trainers.base import Trainer, TrainerBackend
 
@@ -64,6 +70,7 @@ def model_directory(config: TrainConfig) -> Path:
         return path
     from miles_core.engine.presets import preset_dir
 
+    assert config.model.preset is not None  # ModelSection validates exactly one of path and preset
     return preset_dir(config.model.preset)
 
 
@@ -128,7 +135,6 @@ def freeze_startup_heap() -> None:
 def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runtime:
     """Trainer first (it refuses unsafe models before anything else starts), then the engine."""
     import torch
-    from transformers import AutoTokenizer
 
     from miles_core.engine.engine import Engine, EngineConfig
     from miles_core.rl.rollout.direct import DirectRollout
@@ -138,7 +144,7 @@ def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -
     model_dir = model_directory(config)
     device = resolve_device(config.trainer.device)
     trainer = parts.trainer.create(model_dir, config, device, parts.algorithm)
-    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     aio = BackgroundLoop()
     closers: list[Callable[[], None]] = [trainer.close, aio.close]
     try:

@@ -70,21 +70,29 @@ class Algorithm(Protocol):
     """An RL algorithm contributed through ``miles_algorithms``."""
 
     #: unique name; ``algorithm.name`` selects it
-    name: str
-    description: str
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
     #: the paper or document that defines it (docs/train.md restates the definition)
-    reference: str
+    @property
+    def reference(self) -> str: ...
     #: keys of :data:`ROLLOUT_FIELDS` its loss reads; the selected rollout function must provide them
-    needs: frozenset[str]
+    @property
+    def needs(self) -> frozenset[str]: ...
     #: the smallest ``rollout.samples_per_prompt`` it works with (group-relative estimators: 2)
-    min_group_size: int
+    @property
+    def min_group_size(self) -> int: ...
     #: how per-token losses are aggregated over a minibatch
-    aggregation: Aggregation
+    @property
+    def aggregation(self) -> Aggregation: ...
     #: ``algorithm.*`` settings it reads besides :data:`SHARED_SETTINGS` (setting another one away
     #: from its default is a config error naming the algorithms that read it)
-    settings: frozenset[str]
+    @property
+    def settings(self) -> frozenset[str]: ...
     #: its own defaults for settings no config layer sets (GSPO's clip range, say)
-    defaults: Mapping[str, float | bool]
+    @property
+    def defaults(self) -> Mapping[str, float | bool]: ...
 
     def advantages(self, rewards: torch.Tensor, group_size: int, settings: AlgorithmSection) -> torch.Tensor:
         """Per-sample advantages ``[N]`` from rewards ``[N]`` (groups of ``group_size`` contiguous)."""

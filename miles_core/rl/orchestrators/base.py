@@ -27,10 +27,13 @@ class Orchestrator(Protocol):
     """An orchestrator contributed through ``miles_orchestrators``."""
 
     #: unique name; ``orchestrator.kind`` selects it
-    name: str
-    description: str
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
     #: ``orchestrator.*`` settings it reads besides ``kind``
-    settings: frozenset[str]
+    @property
+    def settings(self) -> frozenset[str]: ...
 
     def build(self, config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runtime:
         """Start the run's parts and return the runtime the loop drives."""

@@ -142,15 +142,13 @@ class RolloutWorker:
                  session_url: str | None) -> None:
         from pathlib import Path
 
-        from transformers import AutoTokenizer
-
         from miles_core.plugins import get_plugin_manager
-        from miles_core.rl.rollout.base import RolloutContext
+        from miles_core.rl.rollout.base import RolloutContext, load_tokenizer
 
         check_fingerprint(expected, "rollout")
         pm = get_plugin_manager()
         function = registry.rollout_function(pm, config)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         self.aio = BackgroundLoop()
         context = RolloutContext(config, resolve_task(config, pm), _RayEngine(engine), tokenizer, Path(model_dir),
                                  self.aio, pm, session_url)
@@ -251,9 +249,9 @@ def build_ray(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runt
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from transformers import AutoTokenizer
 
     from miles_core.hardware import activate
+    from miles_core.rl.rollout.base import load_tokenizer
     from miles_core.rl.rollout.direct import DirectRollout
 
     task = parts.task
@@ -302,7 +300,7 @@ def build_ray(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runt
         closers.append(aio.close)
         rewards = RewardRunner(task.reward, config.reward, pm, aio)
         closers.append(rewards.close)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         engine = _RayEngine(engine_actor)
         evaluator = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
         labels = ray.get([w.label.remote() for w in workers])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from miles_core.engine.base import Completion, GenerationRequest
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from miles_core.rl.config import TrainConfig
     from miles_core.rl.rollout.types import Trajectory
     from miles_core.rl.tasks import Prompt, TrainableTask
-    from miles_core.rl.trainers.base import EngineWeights
 
 
 class Tokenizer(Protocol):
@@ -45,6 +44,14 @@ class Tokenizer(Protocol):
     def batch_decode(self, sequences: Sequence[Sequence[int]], **kwargs: object) -> list[str]: ...
 
 
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The Hugging Face tokenizer of ``model_dir`` (imports transformers)."""
+    from transformers import AutoTokenizer
+
+    # transformers types decode() as str | list[str] for any input (a flat id list decodes to one str)
+    return AutoTokenizer.from_pretrained(model_dir)  # type: ignore[return-value]
+
+
 class GenerationEngine(Protocol):
     """What the run needs from the inference engine: the embedded engine in-process, or an
     orchestrator's proxy of it (a Ray actor)."""
@@ -54,7 +61,12 @@ class GenerationEngine(Protocol):
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]: ...
 
-    def update_weights(self, weights: EngineWeights, version: str) -> str: ...
+    def update_weights(self, weights: Any, version: str, /) -> str:
+        """Load ``weights`` as ``version``. ``weights`` is what the run's trainer's
+        ``engine_weights()`` returned (:data:`~miles_core.rl.trainers.base.EngineWeights`): each
+        orchestrator pairs a trainer with an engine that takes its kind (a name -> tensor mapping
+        in-process, a Ray object reference through a Ray engine actor)."""
+        ...
 
 
 class Rollout(Protocol):
@@ -93,15 +105,20 @@ class RolloutFunction(Protocol):
     """A rollout function contributed through ``miles_rollout_functions``."""
 
     #: unique name; ``rollout.path`` selects it
-    name: str
-    description: str
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
     #: keys of :data:`~miles_core.rl.algorithms.base.ROLLOUT_FIELDS` its trajectories carry
-    provides: frozenset[str]
+    @property
+    def provides(self) -> frozenset[str]: ...
     #: ``rollout.*`` settings it reads besides the sampling ones every rollout honours
-    settings: frozenset[str]
+    @property
+    def settings(self) -> frozenset[str]: ...
     #: whether it talks to the engine through the session server (an orchestrator that places the
     #: engine elsewhere starts one next to it and passes ``RolloutContext.session_url``)
-    session_server: bool
+    @property
+    def session_server(self) -> bool: ...
 
     def start(self, context: RolloutContext) -> Rollout:
         """Build the run's rollout (start servers, open clients, install tools)."""

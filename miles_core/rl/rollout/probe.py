@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_core.engine.base import Completion, GenerationRequest
-from miles_core.rl.rollout.base import RolloutContext, RolloutFunction
+from miles_core.rl.rollout.base import GenerationEngine, RolloutContext, RolloutFunction, Tokenizer
 from miles_core.rl.rollout.types import Trajectory
 from miles_core.rl.tasks import Prompt, TrainableTask
 
@@ -59,7 +59,7 @@ class ScriptedEngine:
         return version
 
 
-def make_context(engine: object | None = None, tokenizer: object | None = None, model_dir: Path | None = None,
+def make_context(engine: GenerationEngine | None = None, tokenizer: Tokenizer | None = None, model_dir: Path | None = None,
                  session_url: str | None = None, **rollout: object) -> RolloutContext:
     """A context on ``engine`` (default :class:`ScriptedEngine`) and ``tokenizer`` (default the
     char tokenizer), for the tiny task of :data:`PROMPTS`; ``session_url`` names a session server
@@ -74,7 +74,7 @@ def make_context(engine: object | None = None, tokenizer: object | None = None, 
         "rollout": {"prompts_per_step": len(PROMPTS), "samples_per_prompt": 2, "max_new_tokens": 3, **rollout},
     })
     task = TrainableTask("conformance", "three sums", PROMPTS, lambda inputs: [0.0] * len(inputs), True, ())
-    return RolloutContext(config, task, engine or ScriptedEngine(), tokenizer or build_char_tokenizer(),  # type: ignore[arg-type]
+    return RolloutContext(config, task, engine or ScriptedEngine(), tokenizer or build_char_tokenizer(),
                           Path(model_dir or "."), BackgroundLoop("miles-rollout-conformance"), get_plugin_manager(),
                           session_url)
 

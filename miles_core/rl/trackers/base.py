@@ -59,10 +59,13 @@ class Tracker(Protocol):
     """An experiment tracker contributed through ``miles_trackers``."""
 
     #: unique name; ``run.trackers`` lists it
-    name: str
-    description: str
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
     #: the pydantic model ``run.tracker_options.<name>`` is validated against
-    options: type[BaseModel]
+    @property
+    def options(self) -> type[BaseModel]: ...
 
     def open(self, run: TrackerRun, options: BaseModel) -> TrackerSink:
         """Import the SDK and start recording ``run``."""
@@ -72,6 +75,14 @@ class Tracker(Protocol):
         """Raise unless records written through the tracker read back from its store
         (:func:`check_read_back` in a scratch directory)."""
         ...
+
+
+def record_step(record: Record) -> int:
+    """The record's ``step``: every record carries one, an integer (trackers index by it)."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"a metrics record needs an integer 'step', got {step!r}")
+    return step
 
 
 def numeric(record: Record) -> dict[str, float]:
@@ -106,12 +117,12 @@ def check_read_back(tracker: Tracker, options: BaseModel | None = None,
         sink = tracker.open(run, options if options is not None else tracker.options())
         try:
             for record in records:
-                sink.log(int(record["step"]), record)  # type: ignore[arg-type]
+                sink.log(record_step(record), record)
         finally:
             sink.close()
         stored = sink.read_back()
     for record in records:
-        step = int(record["step"])  # type: ignore[arg-type]
+        step = record_step(record)
         got = stored.get(step, {})
         for key, value in numeric(record).items():
             if key not in got or not math.isclose(got[key], value, rel_tol=READ_BACK_TOLERANCE, abs_tol=1e-9):

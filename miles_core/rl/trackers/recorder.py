@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from miles_core.rl.config import TrainConfig
-from miles_core.rl.trackers.base import Record, Tracker, TrackerRun, TrackerSink
+from miles_core.rl.trackers.base import Record, Tracker, TrackerRun, TrackerSink, record_step
 
 
 class Recorder:
@@ -27,7 +27,7 @@ class Recorder:
         return cls(sinks)
 
     def log(self, record: Record) -> None:
-        step = int(record["step"])  # type: ignore[arg-type]
+        step = record_step(record)
         for _, sink in self.sinks:
             sink.log(step, record)
 

@@ -26,7 +26,8 @@ class Trainer(Protocol):
     """A policy being trained. Every method is called from one thread (or one Ray actor)."""
 
     #: what the model patches and the packing guard established, for the run summary
-    report: Mapping[str, object]
+    @property
+    def report(self) -> Mapping[str, object]: ...
 
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
         """One policy update on these documents; returns the step's training statistics."""
@@ -54,10 +55,13 @@ class TrainerBackend(Protocol):
     """A trainer backend contributed through ``miles_trainer_backends``."""
 
     #: unique name; ``trainer.backend`` selects it
-    name: str
-    description: str
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
     #: ``trainer.*`` settings it reads besides backend, device, max_tokens_per_row and packing
-    settings: frozenset[str]
+    @property
+    def settings(self) -> frozenset[str]: ...
 
     def create(self, model_dir: Path, config: TrainConfig, device: torch.device, algorithm: Algorithm) -> Trainer:
         """Build the trainer for ``model_dir`` (a Hugging Face directory); heavy imports here."""
