@@ -35,7 +35,7 @@ class LocalProviderSpec(SandboxProviderSpec):
     }
 
     @property
-    def default_build_user(self) -> str:  # type: ignore[override]
+    def default_build_user(self) -> str:
         """Local build steps run as this process's user."""
         import getpass
 

@@ -97,5 +97,6 @@ class Keepalive:
             return
         task.cancel()
         await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error

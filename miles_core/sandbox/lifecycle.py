@@ -170,7 +170,7 @@ class SandboxManager:
                 retryable = getattr(exc, "retryable", False)
                 if not retryable or attempt + 1 >= self.retry.attempts:
                     raise
-                pause = self.retry.delay(attempt, exc, self.rng)  # type: ignore[arg-type]
+                pause = self.retry.delay(attempt, exc, self.rng)
                 log.info("create: %s; retry %d in %.2fs", type(exc).__name__, attempt + 1, pause)
                 attempt += 1
                 await asyncio.sleep(pause)
@@ -230,8 +230,9 @@ class SandboxManager:
         while self._background:
             done, _ = await asyncio.wait(set(self._background))
             for task in done:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    raise error
 
     async def sweep(self, *, owner: str | None = None, dry_run: bool = False) -> SweepReport:
         """Destroy this provider's orphans (see :func:`miles_core.sandbox.ownership.sweep`)."""

@@ -9,6 +9,7 @@ Owners on other hosts are never guessed at: name their run with ``--owner``.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import socket
@@ -133,6 +134,6 @@ async def sweep(
             report.kept.append({**row, "reason": "owner may be alive (name its run with --owner)"})
             continue
         if not dry_run:
-            await retrying(lambda i=info.id: provider.destroy(i), retry, what=f"{provider.name} destroy")
+            await retrying(functools.partial(provider.destroy, info.id), retry, what=f"{provider.name} destroy")
         report.destroyed.append({**row, "reason": reason})
     return report

@@ -14,6 +14,8 @@ from miles_core.sandbox.secrets import get_logger
 
 T = TypeVar("T")
 log = get_logger(__name__)
+#: the jitter source of callers that pass no ``rng``
+_JITTER = random.Random()
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,8 @@ class RetryPolicy:
         if self.attempts < 1 or self.base_s < 0 or self.cap_s < self.base_s:
             raise ConfigError(f"RetryPolicy needs attempts >= 1 and 0 <= base_s <= cap_s, got {self}")
 
-    def delay(self, attempt: int, error: SandboxError, rng: random.Random | None = None) -> float:
-        rng = rng or random
+    def delay(self, attempt: int, error: BaseException, rng: random.Random | None = None) -> float:
+        rng = rng if rng is not None else _JITTER
         if isinstance(error, SandboxThrottled) and error.retry_after is not None:
             return min(self.cap_s, error.retry_after) * (1.0 + 0.25 * rng.random())
         ceiling = min(self.cap_s, self.base_s * 2**attempt)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 from miles_core.errors import ConfigError
 
@@ -67,7 +67,7 @@ class Secret:
 
     __str__ = __repr__
 
-    def __reduce__(self) -> object:
+    def __reduce__(self) -> NoReturn:
         raise TypeError(
             f"a resolved secret ({self._source}) cannot be serialized; pass its SecretRef and "
             "resolve it on the worker"
@@ -104,8 +104,10 @@ class SecretRef:
     def parse(cls, text: str, *, field: str = "secret") -> SecretRef:
         """``env:NAME``, ``file:PATH`` or a bare path (absolute, ``~`` or ``./``)."""
         kind, sep, target = text.partition(":")
-        if sep and kind in ("env", "file"):
-            return cls(kind, target)  # type: ignore[arg-type]
+        if sep and kind == "env":
+            return cls("env", target)
+        if sep and kind == "file":
+            return cls("file", target)
         if text.startswith(("/", "~", "./")):
             return cls("file", text)
         raise ConfigError(

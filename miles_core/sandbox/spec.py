@@ -30,8 +30,13 @@ class SandboxProviderSpec(ABC):
     name: str
     description: str = ""
     default_base: str = ""
-    default_build_user: str = "root"
     options: ClassVar[Mapping[str, str]] = {}
+
+    @property
+    def default_build_user(self) -> str:
+        """The user a recipe's build steps run as when it names none (a subclass may override it
+        with a class attribute or a property)."""
+        return "root"
 
     def check_config(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Validate ``config`` without creating anything (cheap: no SDK import); returns it

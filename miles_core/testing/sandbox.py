@@ -253,7 +253,7 @@ async def cancellation_storm(
     rng = random.Random(seed)
     counting = CountingProvider(provider, label="storm.call")
     manager = SandboxManager(
-        counting,  # type: ignore[arg-type]
+        counting,
         max_concurrent_creates=limit,
         retry=RetryPolicy(attempts=4, base_s=0.005, cap_s=0.05),
         rng=rng,

@@ -503,7 +503,7 @@ def _probe_main(tool: str) -> int:
             keeper, report = start_unshare(layout, staging, uid, gid)
             proc = None
         data = b""
-        parse = parse_bwrap_report if tool == "bwrap" else read_unshare_report  # type: ignore[possibly-undefined]
+        parse = parse_bwrap_report if tool == "bwrap" else read_unshare_report
         info = parse(data)
         deadline = time.monotonic() + SUPPORT_TIMEOUT_S / 2
         while not report_complete(info) and time.monotonic() < deadline:

@@ -70,8 +70,13 @@ class Child:
 
     async def _exited(self) -> None:
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        loop.add_reader(self.pidfd, lambda: done.done() or done.set_result(None))
+        done: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(self.pidfd, wake)
         try:
             await done
         finally:

@@ -180,6 +180,7 @@ class Supervisor:
 
     def _destroy(self, sandbox_id: str) -> bool:
         tracked = self.tracked.get(sandbox_id)
+        meta: Meta | None
         if tracked is not None:
             self._untrack(sandbox_id, tracked)
             meta = tracked.meta
