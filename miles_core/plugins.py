@@ -55,6 +55,8 @@ CORE_DISTRIBUTION = "miles"
 #: a plugin whose import plus hook calls take longer than this is flagged as slow (every ``miles``
 #: command pays for it); ``MILES_PLUGIN_SLOW_MS`` overrides it
 DEFAULT_SLOW_MS = 200.0
+#: what a plugin that fails to load or verify does: recorded (the plugin is broken), or raised
+ErrorPolicy = Literal["record", "raise"]
 #: modules discovery must not import (ARCHITECTURE: "discovery is cheap"); a plugin that brings
 #: one in while being imported, hooked or cheaply verified is flagged naming it
 HEAVY_MODULES = ("torch", "transformers", "ray", "megatron", "e2b", "tensorflow", "jax", "vllm", "sglang", "deepspeed")
@@ -245,6 +247,15 @@ def selects(item: str, record: PluginRecord) -> bool:
     return item == record.name or normalize_distribution(item) == distribution
 
 
+def error_policy(value: str) -> ErrorPolicy:
+    """``value`` as an :data:`ErrorPolicy` (``MILES_PLUGIN_ERRORS``), or a :class:`ConfigError`."""
+    if value == "record":
+        return "record"
+    if value == "raise":
+        return "raise"
+    raise ConfigError(f"{ENV_ERRORS} must be 'record' or 'raise', got {value!r}")
+
+
 class MilesPluginManager:
     """Loads plugins and hands out their contributions, attributed and error-isolated."""
 
@@ -253,11 +264,10 @@ class MilesPluginManager:
         *,
         allow: Iterable[str] | None = None,
         deny: Iterable[str] | None = None,
-        errors: Literal["record", "raise"] = "record",
+        errors: ErrorPolicy = "record",
         slow_ms: float = DEFAULT_SLOW_MS,
     ) -> None:
-        if errors not in ("record", "raise"):
-            raise ConfigError(f"{ENV_ERRORS} must be 'record' or 'raise', got {errors!r}")
+        errors = error_policy(errors)
         self.allow = frozenset(allow) if allow is not None else None
         self.deny = frozenset(deny or ())
         #: the configured policy; :meth:`recording` suspends ``raise`` (listing is diagnostic)
@@ -277,9 +287,7 @@ class MilesPluginManager:
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> MilesPluginManager:
         env = os.environ if environ is None else environ
-        errors = env.get(ENV_ERRORS, "record").strip().lower() or "record"
-        if errors not in ("record", "raise"):
-            raise ConfigError(f"{ENV_ERRORS} must be 'record' or 'raise', got {errors!r}")
+        errors = error_policy(env.get(ENV_ERRORS, "record").strip().lower() or "record")
         slow = env.get(ENV_SLOW_MS, "").strip()
         try:
             slow_ms = float(slow) if slow else DEFAULT_SLOW_MS
@@ -290,7 +298,7 @@ class MilesPluginManager:
         return cls(
             allow=_parse_list(env.get(ENV_ALLOW)),
             deny=_parse_list(env.get(ENV_DENY)),
-            errors=errors,  # type: ignore[arg-type]
+            errors=errors,
             slow_ms=slow_ms,
         )
 

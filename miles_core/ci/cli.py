@@ -181,6 +181,7 @@ def plan_command(
     items = [(r.path, r.est_time) for r in selection.selected]
     plan, greedy = plan_shards(items, count), greedy_shards(items, count)
     est = {r.path: r.est_time for r in selection.selected}
+    warnings = [*catalog.warnings_for(suite), *selection.warnings]
     data = {
         "hardware": hardware,
         "suite": selection.suite.name,
@@ -202,7 +203,7 @@ def plan_command(
             for r in selection.disabled
         ],
         "stage_disabled": selection.suite.disabled,
-        "warnings": [*catalog.warnings_for(suite), *selection.warnings],
+        "warnings": warnings,
     }
     if as_json:
         emit_json(data)
@@ -212,10 +213,10 @@ def plan_command(
     click.echo(
         f"{selection.suite.name} ({hardware}): {len(items)} file(s), {sum(est.values()):g} s, {count} partition(s)"
     )
-    for part in data["partitions"]:
-        click.echo(f"partition {part['index']}: {part['load']:g} s, {len(part['files'])} file(s)")
-        for file in part["files"]:
-            click.echo(f"  {file['path']}  {file['est_time']:g} s")
+    for i, (files, load) in enumerate(zip(plan.shards, plan.loads, strict=True)):
+        click.echo(f"partition {i}: {load:g} s, {len(files)} file(s)")
+        for path in files:
+            click.echo(f"  {path}  {est[path]:g} s")
     click.echo(
         f"makespan {plan.makespan:g} s, lower bound {plan.lower_bound:g} s, ratio {plan.ratio:.3f}"
         + (" (optimal)" if plan.optimal else "")
@@ -223,7 +224,7 @@ def plan_command(
     )
     for line in disabled_lines(selection):
         click.echo(line)
-    for warning in data["warnings"]:
+    for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
 
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from miles_core.ci.base import POSITIONAL_PARAMETERS, Registration
 from miles_core.ci.config import ISSUE_RE, closest
@@ -160,7 +160,7 @@ class _FileParser:
         for stmt in tree.body:
             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
                 name = _callee(stmt.value.func)
-                if name in self.markers:
+                if name is not None and name in self.markers:
                     accepted.add(id(stmt.value.func))
                     self.registration(stmt.value, self.markers[name])
         for node in ast.walk(tree):
@@ -270,7 +270,7 @@ class _FileParser:
         )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -99,5 +99,7 @@ def derive_layout(layout: ParallelLayout, num_gpus: int, *, keep: Iterable[str])
     unknown = sorted(keep - set(AXES))
     if unknown:
         raise LayoutError(f"cannot keep unknown axis/axes {unknown}; axes: {list(AXES)}")
-    dropped = {axis: (None if axis == "etp" else 1) for axis in AXES if axis not in keep}
-    return replace(layout, **dropped).validate(num_gpus)
+    variant = replace(layout, **{axis: 1 for axis in AXES if axis not in keep and axis != "etp"})
+    if "etp" not in keep:
+        variant = replace(variant, etp=None)
+    return variant.validate(num_gpus)

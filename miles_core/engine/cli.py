@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from miles_core.cli._output import emit_json
@@ -64,8 +66,13 @@ def serve(
         max_batch_size=max_batch_size, max_model_len=max_model_len, dtype=dtype, device=device,
         seed=seed, weight_version=weight_version, cpu_threads=cpu_threads,
     )
-    path = preset_dir(preset) if preset else model_path
-    name = served_model_name or preset or click.format_filename(model_path).rstrip("/").rsplit("/", 1)[-1]
+    if preset is not None:
+        path: str | Path = preset_dir(preset)
+        default_name = preset
+    else:
+        assert model_path is not None  # exactly one of the two: checked above
+        path, default_name = model_path, click.format_filename(model_path).rstrip("/").rsplit("/", 1)[-1]
+    name = served_model_name or default_name
     model = Engine.from_pretrained(path, config, name=name)
     server = EmbeddedServer(model, host=host, port=port, default_max_tokens=default_max_tokens, log_level=log_level)
     click.echo(f"miles engine: serving {name} at {server.base_url} (weight_version {model.weight_version})", err=False)

@@ -20,7 +20,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +36,20 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 @functools.cache
-def fla_ops() -> Any | None:
+def fla_ops() -> ModuleType | None:
     """fla's gated-delta-rule module when it imports (it needs triton and a GPU driver), else ``None``."""
     try:
         return importlib.import_module("fla.ops.gated_delta_rule")
     except ImportError:
         return None
+
+
+def require_fla_ops() -> ModuleType:
+    """fla's gated-delta-rule module, for a caller that chose fla (:func:`use_fla`)."""
+    ops = fla_ops()
+    if ops is None:
+        raise RuntimeError("fla.ops.gated_delta_rule does not import (fla needs triton and a GPU driver)")
+    return ops
 
 
 def use_fla(t: torch.Tensor) -> bool:
@@ -127,7 +135,7 @@ def _fla_recurrent_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
     # the arguments transformers' GDN layer passes fla (g fp32, beta in the model dtype)
-    out, final = fla_ops().fused_recurrent_gated_delta_rule(
+    out, final = require_fla_ops().fused_recurrent_gated_delta_rule(
         q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
         scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
@@ -144,7 +152,7 @@ def _cpu_seqlens(cu_seqlens_cpu: torch.Tensor | None) -> dict[str, torch.Tensor]
 
 @functools.cache
 def _chunk_parameters() -> frozenset[str]:
-    return frozenset(inspect.signature(fla_ops().chunk_gated_delta_rule).parameters)
+    return frozenset(inspect.signature(require_fla_ops().chunk_gated_delta_rule).parameters)
 
 
 def torch_chunk_size(width: int) -> int:
@@ -179,7 +187,7 @@ def chunk_prefill(
         def packed(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(-1, *t.shape[2:])[packed_index][None]
 
-        out, final = fla_ops().chunk_gated_delta_rule(
+        out, final = require_fla_ops().chunk_gated_delta_rule(
             q=packed(q), k=packed(k), v=packed(v), g=packed(g), beta=packed(beta),
             scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True,
             use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **_cpu_seqlens(cu_seqlens_cpu),
@@ -189,4 +197,6 @@ def chunk_prefill(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
         chunk_size=torch_chunk_size(q.shape[1]),
     )
+    if final is None:
+        raise RuntimeError("transformers' torch_chunk_gated_delta_rule returned no final state")
     return out.reshape(-1, *out.shape[2:])[packed_index], final

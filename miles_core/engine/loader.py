@@ -69,7 +69,8 @@ def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto") -
     check_supported(config, path)
     torch_dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    model.to(resolve_device(device)).eval()
+    # transformers decorates to() with functools.wraps(Module.to), which types it as the unbound method
+    model.to(resolve_device(device)).eval()  # type: ignore[arg-type]
     report = prepare_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos: set[int] = set()

@@ -130,8 +130,9 @@ class Preset:
             if self.gdn_decay_max is not None:
                 with torch.no_grad():
                     for module in model.modules():
-                        if isinstance(getattr(module, "A_log", None), torch.nn.Parameter):
-                            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, self.gdn_decay_max).log())
+                        a_log = getattr(module, "A_log", None)
+                        if isinstance(a_log, torch.nn.Parameter):
+                            a_log.copy_(torch.empty_like(a_log).uniform_(0.01, self.gdn_decay_max).log())
             if self.warmup is not None:
                 self.warmup.apply(model, tokenizer)
         model.to(getattr(torch, self.dtype)).save_pretrained(out)

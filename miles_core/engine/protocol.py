@@ -244,7 +244,7 @@ def assistant_message(req: ChatCompletionRequest, completion: Completion, tokeni
     """The reply's assistant message (text, tool calls parsed when the request offers tools) and
     its finish reason."""
     text = completion_text(completion, tokenizer, trim_stop=not req.no_stop_trim)
-    content, tool_calls = text, []
+    content, tool_calls = text, list[dict[str, Any]]()
     if req.tools and req.tool_choice != "none":
         content, tool_calls = parse_tool_calls(text)
     if req.skip_special_tokens:

@@ -123,13 +123,12 @@ class StepCache(Cache):
 
     def __init__(self, store: SlotStore, *, prefill_row: int | None, query_len: int, rows: int = 1) -> None:
         super().__init__(layers=[])
-        self.layers = _LayerViews(self)  # type: ignore[assignment]
+        self.layers = _LayerViews(self)  # type: ignore[assignment]  # a stand-in for the list: see _LayerViews
         self.store = store
         self.prefill_row = prefill_row
         self.query_len = query_len
         self.rows = 1 if prefill_row is not None else rows
-        self._arange: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
+        self._decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (row index, position) per row
 
     # -- attention layers -------------------------------------------------------------------
 
@@ -147,10 +146,12 @@ class StepCache(Cache):
         return keys[: self.rows, :, :span], values[: self.rows, :, :span]
 
     def _decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._positions is None:
-            self._arange = torch.arange(self.rows, device=device)
-            self._positions = torch.tensor(self.store.lengths[: self.rows], device=device)
-        return self._arange, self._positions
+        if self._decode_rows is None:
+            self._decode_rows = (
+                torch.arange(self.rows, device=device),
+                torch.tensor(self.store.lengths[: self.rows], device=device),
+            )
+        return self._decode_rows
 
     # -- linear-attention layers ------------------------------------------------------------
 

@@ -230,12 +230,12 @@ def _cuda_varlen() -> VarlenKernel | None:
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedSequences, scale: float
     ) -> torch.Tensor:
+        extra: dict[str, Any] = {}
         if gqa:
-            extra = {"enable_gqa": True}
+            extra["enable_gqa"] = True
         else:
             k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-            extra = {}
-        return varlen_attn(
+        out = varlen_attn(
             q,
             k,
             v,
@@ -247,6 +247,7 @@ def _cuda_varlen() -> VarlenKernel | None:
             **causal,
             **extra,
         )
+        return out[0] if isinstance(out, tuple) else out  # (output, aux) only when aux outputs are requested
 
     # One tiny call decides whether this build has the kernel (CPU-only or flash-less builds do not).
     probe = torch.randn(4, 2, 64, device="cuda", dtype=torch.bfloat16)

@@ -107,7 +107,9 @@ def packing_entry_points(model: torch.nn.Module, readers: Iterable[torch.nn.Modu
 def has_packing_scope(model: torch.nn.Module) -> bool:
     """Whether ``model`` carries both scope hooks (checked on the hooks, not just the flag)."""
     ids = getattr(model, _HOOKED, None)
-    return bool(ids) and ids[0] in model._forward_pre_hooks and ids[1] in model._forward_hooks
+    if not ids:
+        return False
+    return ids[0] in model._forward_pre_hooks and ids[1] in model._forward_hooks
 
 
 def _forward_parameters(module: torch.nn.Module) -> dict[str, inspect.Parameter]:

@@ -162,7 +162,7 @@ def latest_valid(out_dir: Path) -> Path | None:
     """The newest checkpoint whose files are intact; each damaged newer one is skipped with a
     :class:`CheckpointWarning`. Raises :class:`ConfigError` when checkpoints exist but none is intact."""
     checkpoints = list_checkpoints(out_dir)
-    damaged = []
+    damaged: list[str] = []
     for checkpoint in reversed(checkpoints):
         why = problem(checkpoint)
         if why is None:

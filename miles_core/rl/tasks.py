@@ -171,12 +171,12 @@ def trainable(task: object, reward: SandboxReward | RewardFn | None = None) -> T
     tools = tuple(getattr(task, "tools", ()) or ())
     if any(not isinstance(t, SandboxTool) for t in tools):
         problems.append("tools must hold miles_core.rl.tasks.SandboxTool objects")
-    if problems:
+    if problems or chosen is None:
         raise ConfigError(
             f"task {name!r} cannot be trained: " + "; ".join(problems)
             + " (the task protocol is miles_core.rl.tasks.Task; see docs/train.md, 'Writing a task')"
         )
-    return TrainableTask(name, str(getattr(task, "description", name)), prompts, chosen, has_accuracy, tools)  # type: ignore[arg-type]
+    return TrainableTask(name, str(getattr(task, "description", name)), prompts, chosen, has_accuracy, tools)
 
 
 def _reward_signature_problem(reward: object) -> str | None:

@@ -15,9 +15,13 @@ packed with it, and that ``verify()`` passes. Needs torch.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from miles_core.rl.algorithms.base import AGGREGATIONS, ROLLOUT_FIELDS, SHARED_SETTINGS, Algorithm, TokenBatch
 from miles_core.rl.algorithms.probe import DELTAS, ROLLOUT_LOGPROB, ProbeResult, check_probe
+
+if TYPE_CHECKING:
+    from miles_core.rl.config import AlgorithmSection
 
 
 def assert_algorithm_conforms(algorithm: Algorithm, *, expected_loss: float | None = None) -> ProbeResult:
@@ -34,7 +38,7 @@ def assert_algorithm_conforms(algorithm: Algorithm, *, expected_loss: float | No
     known = AlgorithmSection.model_fields.keys() - SHARED_SETTINGS
     assert set(algorithm.settings) <= known, f"reads unknown algorithm settings {set(algorithm.settings) - known}"
     assert set(algorithm.defaults) <= set(algorithm.settings), "defaults may only cover settings it reads"
-    AlgorithmSection(name=algorithm.name, **dict(algorithm.defaults))  # its defaults validate
+    AlgorithmSection.model_validate({"name": algorithm.name, **algorithm.defaults})  # its defaults validate
 
     settings = AlgorithmSection(name=algorithm.name)
     group = max(2, algorithm.min_group_size)
@@ -49,7 +53,7 @@ def assert_algorithm_conforms(algorithm: Algorithm, *, expected_loss: float | No
     return result
 
 
-def _assert_packing_invariant(algorithm: Algorithm, settings: object) -> None:
+def _assert_packing_invariant(algorithm: Algorithm, settings: AlgorithmSection) -> None:
     """Each probe document's per-token loss alone equals its share of the packed row."""
     import torch
 
@@ -67,8 +71,8 @@ def _assert_packing_invariant(algorithm: Algorithm, settings: object) -> None:
             num_docs=len(members),
         )
 
-    packed = algorithm.policy_loss(row([0, 1, 2, 3]), settings).per_token  # type: ignore[arg-type]
-    alone = torch.cat([algorithm.policy_loss(row([i]), settings).per_token for i in range(4)])  # type: ignore[arg-type]
+    packed = algorithm.policy_loss(row([0, 1, 2, 3]), settings).per_token
+    alone = torch.cat([algorithm.policy_loss(row([i]), settings).per_token for i in range(4)])
     assert torch.allclose(packed, alone, atol=1e-6), (
         f"the loss of a document depends on the documents packed with it: packed {packed.tolist()}, "
         f"alone {alone.tolist()} (use TokenBatch.doc_index for per-sequence quantities)"

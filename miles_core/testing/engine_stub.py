@@ -202,15 +202,15 @@ class StubEngine:
 
     def start(self) -> str:
         ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
+        loop = self._loop = asyncio.new_event_loop()
 
         def run() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._server = self._loop.run_until_complete(
+            asyncio.set_event_loop(loop)
+            self._server = loop.run_until_complete(
                 asyncio.start_server(self._connection, self.host, 0, backlog=2048)
             )
             ready.set()
-            self._loop.run_forever()
+            loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="stub-engine", daemon=True)
         self._thread.start()

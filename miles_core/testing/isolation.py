@@ -7,7 +7,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 
-from miles_core.plugins import MilesPluginManager, set_plugin_manager
+from miles_core.plugins import ErrorPolicy, MilesPluginManager, set_plugin_manager
 
 
 @contextlib.contextmanager
@@ -16,7 +16,7 @@ def isolated_plugin_manager(
     *,
     allow: Iterable[str] | None = None,
     deny: Iterable[str] | None = None,
-    errors: str = "record",
+    errors: ErrorPolicy = "record",
     builtins: bool = False,
 ) -> Iterator[MilesPluginManager]:
     """Yield a fresh manager installed as the process-wide one, then restore the previous.
@@ -25,7 +25,7 @@ def isolated_plugin_manager(
     own built-in plugins are registered first (as a real install would), without loading any
     third-party entry point.
     """
-    pm = MilesPluginManager(allow=allow, deny=deny, errors=errors)  # type: ignore[arg-type]
+    pm = MilesPluginManager(allow=allow, deny=deny, errors=errors)
     if builtins:
         register_builtins(pm)
     for name, module in plugins:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
+from typing import ParamSpec, TypeVar
 
 import pytest
 
 from miles_core.plugins import MilesPluginManager
 from miles_core.testing.isolation import isolated_plugin_manager
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -18,13 +22,18 @@ def miles_pm() -> Iterator[MilesPluginManager]:
         yield pm
 
 
+def _entering(stack: ExitStack, context: Callable[P, AbstractContextManager[T]]) -> Callable[P, T]:
+    """``context(...)`` entered on ``stack``: what the ``with`` would bind, exited with the stack."""
+
+    def enter(*args: P.args, **kwargs: P.kwargs) -> T:
+        return stack.enter_context(context(*args, **kwargs))
+
+    return enter
+
+
 @pytest.fixture
 def miles_pm_factory() -> Iterator[Callable[..., MilesPluginManager]]:
     """Build isolated managers: ``miles_pm_factory(plugins=[(name, module)], allow=..., deny=...,
     builtins=True)``. The last one built is the process-wide manager until the test ends."""
     with ExitStack() as stack:
-
-        def make(**kwargs: object) -> MilesPluginManager:
-            return stack.enter_context(isolated_plugin_manager(**kwargs))  # type: ignore[arg-type]
-
-        yield make
+        yield _entering(stack, isolated_plugin_manager)

@@ -53,7 +53,11 @@ def run_probe(algorithm: Algorithm) -> ProbeResult:
 
     settings = AlgorithmSection(name=algorithm.name)
     advantages = algorithm.advantages(torch.tensor(REWARDS), GROUP_SIZE, settings)
-    logprobs, rollout, adv, mask, owner = [], [], [], [], []
+    logprobs: list[float] = []
+    rollout: list[float] = []
+    adv: list[float] = []
+    mask: list[float] = []
+    owner: list[int] = []
     positions: dict[str, list[int]] = {"rewarded": [], "unrewarded_unclipped": [], "untrained": []}
     for doc, deltas in enumerate(DELTAS):
         positions["untrained"].append(len(logprobs))

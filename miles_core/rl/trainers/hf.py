@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from miles_core.rl.trainers.compile import compile_regions
 from miles_core.rl.trainers.fsdp import RankGroup, init_rank, shard_model
 from miles_core.rl.trainers.packing_guard import branches_supported, check_packing_safe
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "miles_asset.json")
@@ -35,7 +38,16 @@ def load_causal_lm(model_dir: Path, dtype: str, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa")
-    return model.to(device)
+    # transformers decorates to() with functools.wraps(Module.to), which types it as the unbound method
+    return model.to(device)  # type: ignore[arg-type]
+
+
+def gathered_tensors(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """A full (gathered) state dict as the tensors it holds; anything else is an error naming it."""
+    others = sorted(name for name, value in state.items() if not isinstance(value, torch.Tensor))
+    if others:
+        raise TypeError(f"the gathered model state holds non-tensor values at {others[:5]} ({len(others)} in all)")
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 class HFPolicy:
@@ -116,7 +128,8 @@ class HFPolicy:
             return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return gathered_tensors(state)
 
     def save(self, directory: Path) -> None:
         state = self.full_state()
@@ -146,7 +159,7 @@ class HFPolicy:
             set_optimizer_state_dict,
         )
 
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, ValueType] = {}
         for shard in sorted((directory / "model").glob("*.safetensors")):
             state.update(load_file(shard))
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])

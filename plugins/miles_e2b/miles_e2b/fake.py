@@ -303,7 +303,7 @@ class _FakeSandbox:
             server.in_flight_creates -= 1
 
     @classmethod
-    def _new_state(cls, template, timeout, metadata, envs, allow_internet_access, network, opts) -> _State:  # type: ignore[no-untyped-def]
+    def _new_state(cls, template, timeout, metadata, envs, allow_internet_access, network, opts) -> _State:
         server = cls.server
         if template is not None and template not in server.templates:
             raise e2b.SandboxException(f"404: template '{template}' not found", status_code=404)

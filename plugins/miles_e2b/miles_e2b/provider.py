@@ -17,6 +17,7 @@ the core lifecycle layer. Mapping onto the SDK:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import math
 import posixpath
 import shlex
@@ -221,8 +222,8 @@ class E2BProvider:
             return await self._pages(paginator)
         raise_unchained(error)
 
-    async def _pages(self, paginator: Any) -> list[SandboxInfo]:
-        found: list[SandboxInfo] = []
+    async def _pages(self, paginator: Any) -> builtins.list[SandboxInfo]:  # list: the method above
+        found: builtins.list[SandboxInfo] = []
         while paginator.has_next:
             for info in await self._call("list", paginator.next_items()):
                 expires = info.end_at.timestamp() if info.end_at is not None else None

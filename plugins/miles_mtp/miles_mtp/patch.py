@@ -66,16 +66,17 @@ class MTPLabelPatch:
 
         groups: dict[str, list[str]] = {}
         for _, module in mtp_modules(model):
-            convention = convention_of(type(module))
+            cls: type = type(module)
+            convention = convention_of(cls)
             if convention is None:
                 raise PatchError(
-                    f"{qualname(type(module))} has {module.config.mtp_num_layers} MTP layer(s) but takes "
+                    f"{qualname(cls)} has {module.config.mtp_num_layers} MTP layer(s) but takes "
                     "MTP labels through none of the interfaces its path is probed with"
                 )
             install(module, LabelAdapter(convention))
             names = groups.setdefault(convention.interface.name, [])
-            if qualname(type(module)) not in names:
-                names.append(qualname(type(module)))
+            if qualname(cls) not in names:
+                names.append(qualname(cls))
         classes = tuple(c for names in groups.values() for c in names)
         return AppliedPatch(classes=classes, groups={k: tuple(v) for k, v in groups.items()})
 
@@ -88,16 +89,17 @@ class MTPLabelPatch:
 
         problems = []
         for name, module in mtp_modules(model):
-            where = f"{qualname(type(module))} at {name or '<root>'}"
+            cls: type = type(module)
+            where = f"{qualname(cls)} at {name or '<root>'}"
             adapter = installed_adapter(module)
             if adapter is None:
                 problems.append(f"{where}: forward carries no MTP label adapter")
                 continue
             try:
-                convention = convention_of(type(module))
+                convention = convention_of(cls)
                 if convention is None:
                     raise LabelContractError("its class takes MTP labels through no known interface")
-                verify_adapter(type(module), convention, adapter, module.config.mtp_num_layers, module.config)
+                verify_adapter(cls, convention, adapter, module.config.mtp_num_layers, module.config)
             except LabelContractError as exc:
                 problems.append(f"{where}: {exc}")
         if problems:

@@ -56,7 +56,7 @@ class _LossRecorder:
         return leaf + 0 * logits[..., 0].transpose(0, 1)
 
 
-def _stand_in(model_cls: type, config: Any, seq_len: int, batch: int, recorder: _LossRecorder) -> Any:
+def _stand_in(model_cls: type[torch.nn.Module], config: Any, seq_len: int, batch: int, recorder: _LossRecorder) -> Any:
     import torch
 
     depths = config.mtp_num_layers
@@ -164,7 +164,7 @@ def observe(
     return observed
 
 
-def accepts(model_cls: type, interface: Interface) -> bool:
+def accepts(model_cls: type[torch.nn.Module], interface: Interface) -> bool:
     """Whether ``model_cls.forward`` takes the interface's keyword arguments at all."""
     kwargs = interface.kwargs(None, None)
     try:
@@ -226,7 +226,7 @@ def detect(path: ModelPath, model_cls: type | None = None) -> Convention | None:
             problems.append(_unidentified(observed, tokens, cu, "labels"))
         if mask_shift is None:
             problems.append(_unidentified(observed, weights, cu, "loss mask"))
-        if problems:
+        if problems or label_shift is None or mask_shift is None:
             raise LabelContractError(
                 f"cannot identify the MTP label convention of {name} through {interface.signature}: "
                 + "; ".join(problems)

@@ -212,7 +212,7 @@ def is_patched(cls: type) -> bool:
     return getattr(cls.__dict__.get("forward"), FORWARD_MARK, None) is not None
 
 
-def patch_class(cls: type) -> None:
+def patch_class(cls: type[torch.nn.Module]) -> None:
     """Patch ``cls`` (which must define ``forward``, see :func:`unpatchable_reason`); idempotent."""
     if is_patched(cls):
         return
@@ -237,7 +237,7 @@ def layer_enabled(layer: torch.nn.Module) -> bool:
     return getattr(layer, LAYER_FLAG, False) is True
 
 
-def patch_problems(cls: type) -> list[str]:
+def patch_problems(cls: type[torch.nn.Module]) -> list[str]:
     """What is wrong with the patch as ``cls`` (a class of the built model) runs it."""
     forward = cls.forward
     original = getattr(forward, FORWARD_MARK, None)

@@ -21,8 +21,11 @@ def probe_layer(layer: torch.nn.Module, lengths: Sequence[int], rtol: Mapping[st
     """
     device = next(layer.parameters()).device
     probe = copy.deepcopy(layer).float().eval()
+    hidden_size = probe.hidden_size
+    if not isinstance(hidden_size, int):
+        raise TypeError(f"{type(layer).__name__}.hidden_size is {hidden_size!r}, not a width")
     generator = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(1, sum(lengths), probe.hidden_size, generator=generator, device=device)
+    x = torch.randn(1, sum(lengths), hidden_size, generator=generator, device=device)
     ctx = PackedSequences.from_lengths(lengths, device=device)
 
     alone = torch.cat([probe(chunk) for chunk in x.split(list(lengths), dim=1)], dim=1)

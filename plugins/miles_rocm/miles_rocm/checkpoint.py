@@ -43,7 +43,7 @@ WRITER_PATHS: tuple[str, ...] = (
 _GUARD_MARK = "__miles_rocm_checkpoint_guard__"
 
 
-def writer_classes() -> dict[str, type]:
+def writer_classes() -> dict[str, type[Any]]:
     """The writer class each path in :data:`WRITER_PATHS` names right now."""
     classes = {}
     for path in WRITER_PATHS:
@@ -90,14 +90,15 @@ class _CopyProbe(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def observe_copy_mode(writer_cls: type) -> CopyMode:
+def observe_copy_mode(writer_cls: type[Any]) -> CopyMode:
     """How ``writer_cls.preload_tensors`` copies a tensor to the host on a HIP build of torch.
 
     Calls it the way the async save does (``non_blocking=True`` requested) on a one-tensor write
     bucket whose tensor reports the first copy made of it.
     """
     probe = torch.zeros(1).as_subclass(_CopyProbe)
-    bucket = ("miles-probe.distcp", "miles-probe", ([], [("miles-probe-item", probe)]))
+    no_bytes: list[tuple[str, object]] = []  # a write bucket: (file, key, (byte items, tensor items))
+    bucket = ("miles-probe.distcp", "miles-probe", (no_bytes, [("miles-probe-item", probe)]))
     with simulated_hip():
         try:
             writer_cls.preload_tensors([bucket], True)
@@ -108,7 +109,7 @@ def observe_copy_mode(writer_cls: type) -> CopyMode:
     )
 
 
-def is_guarded(writer_cls: type) -> bool:
+def is_guarded(writer_cls: type[Any]) -> bool:
     """Whether ``writer_cls`` carries this guard's fallback (its own or inherited)."""
     return bool(getattr(writer_cls.preload_tensors, _GUARD_MARK, False))
 
