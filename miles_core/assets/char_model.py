@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 CHARS = "0123456789+="
 PAD, EOS = "<pad>", "<eos>"
 
 
-def build_char_tokenizer():
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -18,6 +18,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -75,7 +79,7 @@ def recipe_digest() -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """Build the tokenizer in memory (imports ``tokenizers`` and ``transformers``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -115,12 +115,12 @@ class Preset:
         from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
         from miles_core.assets.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+        from miles_core.assets.tokens import token_id
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         tokenizer = build_tokenizer()
-        eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-        pad = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+        eos, pad = token_id(tokenizer, EOS_TOKEN), token_id(tokenizer, PAD_TOKEN)
         config = Qwen3_5TextConfig(
             vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **self.text_config
         )

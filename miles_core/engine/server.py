@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,7 +51,7 @@ def create_app(engine: Engine, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
         if not req.stream:
             return JSONResponse(body)
 
-        async def events():
+        async def events() -> AsyncIterator[str]:
             yield f"data: {json.dumps(protocol.stream_chunk(body))}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -21,6 +21,9 @@ model never derives them from the cache.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -111,7 +114,7 @@ class _LayerViews:
     def __getitem__(self, layer_idx: int) -> _LinearLayerView:
         return _LinearLayerView(self._cache, layer_idx)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[_LinearLayerView]:
         return iter(())
 
     def __len__(self) -> int:
@@ -132,7 +135,9 @@ class StepCache(Cache):
 
     # -- attention layers -------------------------------------------------------------------
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.store._kv(layer_idx, key_states)
         if self.prefill_row is not None:
             r, q = self.prefill_row, self.query_len
@@ -160,7 +165,7 @@ class StepCache(Cache):
             return None  # a fresh sequence: no previous window
         return self.store.conv[layer_idx][: self.rows]
 
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
         # Only called for a multi-token forward, i.e. a prefill (decode updates the window in place).
         if self.prefill_row is None:
             raise RuntimeError("a decode step must update the conv window in place")
@@ -177,7 +182,7 @@ class StepCache(Cache):
             return None
         return self.store.recurrent[layer_idx][: self.rows]
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
         store = self.store._state(self.store.recurrent, layer_idx, recurrent_states)
         if self.prefill_row is not None:
             store[self.prefill_row] = recurrent_states[0]

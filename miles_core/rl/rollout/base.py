@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from miles_core.engine.base import Completion, GenerationRequest
     from miles_core.plugins import MilesPluginManager
     from miles_core.rl.aio import BackgroundLoop
@@ -44,12 +46,17 @@ class Tokenizer(Protocol):
     def batch_decode(self, sequences: Sequence[Sequence[int]], **kwargs: object) -> list[str]: ...
 
 
+def rollout_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """A Hugging Face tokenizer as the rollout paths see it."""
+    # transformers types decode() as str | list[str] for any input (a flat id list decodes to one str)
+    return tokenizer  # type: ignore[return-value]
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The Hugging Face tokenizer of ``model_dir`` (imports transformers)."""
     from transformers import AutoTokenizer
 
-    # transformers types decode() as str | list[str] for any input (a flat id list decodes to one str)
-    return AutoTokenizer.from_pretrained(model_dir)  # type: ignore[return-value]
+    return rollout_tokenizer(AutoTokenizer.from_pretrained(model_dir))
 
 
 class GenerationEngine(Protocol):

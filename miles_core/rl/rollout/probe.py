@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_core.engine.base import Completion, GenerationRequest
-from miles_core.rl.rollout.base import GenerationEngine, RolloutContext, RolloutFunction, Tokenizer
+from miles_core.rl.rollout.base import (
+    GenerationEngine,
+    RolloutContext,
+    RolloutFunction,
+    Tokenizer,
+    rollout_tokenizer,
+)
 from miles_core.rl.rollout.types import Trajectory
 from miles_core.rl.tasks import Prompt, TrainableTask
 
@@ -74,7 +80,7 @@ def make_context(engine: GenerationEngine | None = None, tokenizer: Tokenizer | 
         "rollout": {"prompts_per_step": len(PROMPTS), "samples_per_prompt": 2, "max_new_tokens": 3, **rollout},
     })
     task = TrainableTask("conformance", "three sums", PROMPTS, lambda inputs: [0.0] * len(inputs), True, ())
-    return RolloutContext(config, task, engine or ScriptedEngine(), tokenizer or build_char_tokenizer(),
+    return RolloutContext(config, task, engine or ScriptedEngine(), tokenizer or rollout_tokenizer(build_char_tokenizer()),
                           Path(model_dir or "."), BackgroundLoop("miles-rollout-conformance"), get_plugin_manager(),
                           session_url)
 

@@ -29,13 +29,14 @@ def check_one_update(backend: TrainerBackend, device: str = "cpu") -> dict[str, 
     from transformers import AutoModelForCausalLM
 
     from miles_core.assets.char_model import build_char_tokenizer, write_char_model
+    from miles_core.assets.tokens import token_id
     from miles_core.rl.algorithms.batch import TrainDocument
     from miles_core.rl.algorithms.builtin import GRPO
     from miles_core.rl.config import TrainConfig
 
     tokenizer = build_char_tokenizer()
     prompt = list(tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
-    answers = [tokenizer.convert_tokens_to_ids(a) for a in (REWARDED, UNREWARDED)]
+    answers = [token_id(tokenizer, a) for a in (REWARDED, UNREWARDED)]
     with tempfile.TemporaryDirectory(prefix="miles-trainer-probe-") as tmp, torch.random.fork_rng(devices=[]):
         model_dir = write_char_model(Path(tmp) / "model", seed=0)
         reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -303,7 +303,16 @@ class _FakeSandbox:
             server.in_flight_creates -= 1
 
     @classmethod
-    def _new_state(cls, template, timeout, metadata, envs, allow_internet_access, network, opts) -> _State:
+    def _new_state(
+        cls,
+        template: str | None,
+        timeout: int | None,
+        metadata: dict[str, str] | None,
+        envs: dict[str, str] | None,
+        allow_internet_access: bool | None,
+        network: dict[str, Any] | None,
+        opts: dict[str, Any],
+    ) -> _State:
         server = cls.server
         if template is not None and template not in server.templates:
             raise e2b.SandboxException(f"404: template '{template}' not found", status_code=404)

@@ -174,7 +174,9 @@ def _normalised(weight: torch.Tensor) -> torch.Tensor | None:
     return weight / peak
 
 
-def _describe_offset(labels, tokens, cu_seqlens, depth, inside) -> str:
+def _describe_offset(
+    labels: torch.Tensor, tokens: torch.Tensor, cu_seqlens: tuple[int, ...] | None, depth: int, inside: torch.Tensor
+) -> str:
     for offset in range(depth + 5):
         if offset == depth + 1:
             continue
@@ -185,7 +187,9 @@ def _describe_offset(labels, tokens, cu_seqlens, depth, inside) -> str:
     return ""
 
 
-def _describe_mask_offset(applied, loss_mask, cu_seqlens, depth) -> str:
+def _describe_mask_offset(
+    applied: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: tuple[int, ...] | None, depth: int
+) -> str:
     for lead in (1, -1, 2):
         _, _, trained = expected_depth(loss_mask, loss_mask, cu_seqlens, depth + lead)
         if bool((applied.round() == trained.to(applied.dtype)).all()):

@@ -74,7 +74,9 @@ def _stand_in(model_cls: type[torch.nn.Module], config: Any, seq_len: int, batch
     def mtp_block(*, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
         return torch.cat([hidden_states + depth for depth in range(depths + 1)], dim=0)
 
-    def output_layer(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+    def output_layer(
+        hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
         return hidden_states, None
 
     model = model_cls.__new__(model_cls)
