@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from miles_core.caching import BoundedCache, exact_json_key, is_exact_json
@@ -93,8 +93,7 @@ class ChatTemplate:
         """The conversation as the template renders it (``apply_chat_template(tokenize=False)``)."""
         kwargs = dict(template_kwargs or {})
         if self._direct and not continue_final_message and _plain_messages(messages) and (tools is None or is_exact_json(tools)):
-            from transformers.utils.chat_template_utils import render_jinja_template
-
+            render_jinja_template = _render_jinja_template()
             rendered, _ = render_jinja_template(
                 conversations=[list(messages)],
                 tools=tools,
@@ -141,8 +140,7 @@ class ChatTemplate:
 
     def _direct_agrees(self) -> bool:
         """Whether the direct render gives what ``apply_chat_template`` gives on the probes."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
+        render_jinja_template = _render_jinja_template()
         for messages, tools, generation_prompt in _PROBES:
             try:
                 expected = self.tokenizer.apply_chat_template(
@@ -188,3 +186,11 @@ def _private_backend(tokenizer: Any) -> Any:
     private.no_padding()
     private.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
     return private
+
+
+def _render_jinja_template() -> Callable[..., tuple[str, Any]]:
+    """transformers' ``render_jinja_template``, typed as it behaves."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    # annotated ``-> str``, it returns the rendered text and the generation indices
+    return render_jinja_template  # type: ignore[return-value]

@@ -61,7 +61,7 @@ def unsupported_reason(model: Any) -> str | None:
         if getattr(mixer, "sliding_window", None):
             return f"layer {index} uses sliding-window attention"
         if hasattr(layer, "linear_attn") and getattr(mixer, "activation", "silu") not in ("silu", "swish"):
-            return f"layer {index}'s Gated DeltaNet uses activation {mixer.activation!r}"
+            return f"layer {index}'s Gated DeltaNet uses activation {getattr(mixer, 'activation', None)!r}"
     return None
 
 
@@ -334,7 +334,9 @@ class LeanModel:
         gate, up = layer.gate_up(x)
         return F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
 
-    def _qkv(self, m: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(
+        self, m: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rotated queries ``[T, H, D]``, keys and values ``[T, kvH, D]``, and the output gate."""
         t = x.shape[0]
         q, k, v = m.qkv(x)
@@ -357,7 +359,7 @@ class LeanModel:
             out = out * torch.sigmoid(gate)
         return F.linear(out, m.o.weight, m.o.bias)
 
-    def _gdn_projections(self, m: _GDN, x: torch.Tensor):
+    def _gdn_projections(self, m: _GDN, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv, z, b, a = m.projections(x)
         beta = torch.sigmoid(b)
         g = -_fp32(m.A_log).exp() * F.softplus(_fp32(a) + m.dt_bias)
@@ -370,7 +372,7 @@ class LeanModel:
         y = normed * F.silu(_fp32(z.view(t, m.v_heads, m.v_dim)))
         return F.linear((y if y.dtype == self.dtype else y.to(self.dtype)).view(t, m.v_heads * m.v_dim), m.out.weight)
 
-    def _split_qkv(self, m: _GDN, mixed: torch.Tensor):
+    def _split_qkv(self, m: _GDN, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = m.k_heads * m.k_dim
         lead = mixed.shape[:-1]
         q = mixed[..., :key].reshape(*lead, m.k_heads, m.k_dim)
@@ -462,7 +464,11 @@ class LeanModel:
         """Device tensors for a prefill of ``chunks[i]`` into row ``rows[i]`` from position ``starts[i]``."""
         lengths = [len(c) for c in chunks]
         width = max(lengths)
-        ids, positions, packed_index, last, cu = [], [], [], [], [0]
+        ids: list[int] = []
+        positions: list[int] = []
+        packed_index: list[int] = []
+        last: list[int] = []
+        cu = [0]
         for s, (start, chunk) in enumerate(zip(starts, chunks)):
             ids.extend(chunk)
             positions.extend(range(start, start + len(chunk)))

@@ -491,6 +491,6 @@ def describe_settings() -> list[tuple[str, str, Any]]:
     rows: list[tuple[str, str, Any]] = []
     for section_name, section_field in TrainConfig.model_fields.items():
         section_cls = section_field.annotation
-        for name, field in section_cls.model_fields.items():  # type: ignore[union-attr]
+        for name, field in section_cls.model_fields.items():  # type: ignore[union-attr]  # each field is a section model
             rows.append((f"{section_name}.{name}", field.description or "", field.default))
     return rows

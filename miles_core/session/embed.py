@@ -60,7 +60,8 @@ def uvicorn_server(
     import uvicorn
 
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s,
+        # uvicorn annotates timeout_keep_alive as int; it is a call_later delay, and fractions work
+        app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
         http=coalescing_http_protocol(),
     )
     return uvicorn.Server(config)
@@ -80,7 +81,8 @@ def coalescing_http_protocol() -> Any:
 
     class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(_CoalescingTransport(transport))
+            # a proxy of uvicorn's transport (every attribute but write and close forwarded)
+            super().connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
 
     return CoalescingHttpToolsProtocol
 

@@ -193,7 +193,7 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
     """A chat body (parsed JSON) as a :class:`ChatRequest`; with the session's ``history``, only
     the messages after those that repeat it are validated and canonicalised (:class:`History`).
     The result, and the error for a bad request, are the same with or without ``history``."""
-    messages = raw.get("messages")
+    messages: Any = raw.get("messages")  # JSON as received: validated below
     repeated = history.repeated(messages) if history is not None and type(messages) is list else 0
     known: tuple[tuple[Message, ...], tuple[MessageKey, ...]] | None = None
     if repeated:

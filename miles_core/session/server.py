@@ -276,7 +276,7 @@ def error_reply(status: int, error_type: str, message: str) -> Reply:
 def sse_events(reply: dict[str, Any], *, include_usage: bool) -> bytes:
     """The reply as ``chat.completion.chunk`` server-sent events: one chunk carrying the whole
     message, a usage chunk when asked for, then ``[DONE]``. Generation itself is not streamed."""
-    header = {k: reply[k] for k in ("id", "created", "model", "system_fingerprint") if k in reply}
+    header: dict[str, Any] = {k: reply[k] for k in ("id", "created", "model", "system_fingerprint") if k in reply}
     choices = []
     for choice in reply.get("choices") or ():
         delta = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}

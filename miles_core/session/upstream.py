@@ -227,8 +227,9 @@ class EngineUpstream:
         pending = [(request, waiter) for request, waiter in pending if not waiter.done()]
         if not pending:
             return
+        futures: list[Future[Any] | None]
         try:
-            futures = self.engine.submit_many([request for request, _ in pending])
+            futures = list(self.engine.submit_many([request for request, _ in pending]))
         except (InvalidRequestError, RuntimeError):
             futures = []  # one refused request refuses the batch: submit one by one to find it
             for request, waiter in pending:
@@ -282,8 +283,8 @@ class EngineUpstream:
                 continue
             if future.cancelled():
                 waiter.set_exception(UpstreamFailure("the engine dropped the request"))
-            elif future.exception() is not None:
-                waiter.set_exception(_engine_failure(future.exception()))
+            elif (error := future.exception()) is not None:
+                waiter.set_exception(_engine_failure(error))
             else:
                 waiter.set_result(future.result())
 

@@ -13,7 +13,7 @@ class ConformanceVerified:
     def verify(self) -> list[str]:
         from miles_core.testing.session import run_conformance
 
-        return run_conformance(self)  # type: ignore[arg-type]
+        return run_conformance(self)  # type: ignore[arg-type]  # mixed into SessionVersion classes only
 
 
 @dataclass(frozen=True)

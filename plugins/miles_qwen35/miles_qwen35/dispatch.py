@@ -225,7 +225,7 @@ def patch_class(cls: type[torch.nn.Module]) -> None:
         if getattr(kernel_globals[name], KERNEL_MARK, None) is None:
             kernel_globals[name] = _dispatcher(name, kernel_globals[name])
     cls.forward = _packing_forward(forward)
-    cls.supports_branches = supports_branches
+    cls.supports_branches = supports_branches  # type: ignore[attr-defined]  # the patch adds the method
 
 
 def enable_layer(layer: torch.nn.Module) -> None:

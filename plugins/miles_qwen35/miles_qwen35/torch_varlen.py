@@ -228,7 +228,9 @@ def chunk_gated_delta_rule_branched(
             heads.append((s, e))
     tensors = (query[0], key[0], value[0], g[0], beta[0])
 
-    def run(spans: list[tuple[int, int]], initial: torch.Tensor | None, final: bool):
+    def run(
+        spans: list[tuple[int, int]], initial: torch.Tensor | None, final: bool
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Outputs (and final states) of ``spans``, each as its own sequence, in bucketed batches."""
         outputs: list[torch.Tensor | None] = [None] * len(spans)
         states: list[torch.Tensor | None] = [None] * len(spans)
@@ -249,6 +251,8 @@ def chunk_gated_delta_rule_branched(
             for j, i in enumerate(members):
                 outputs[i] = out[j, : spans[i][1] - spans[i][0]]
                 if final:
+                    if state is None:
+                        raise RuntimeError("the chunked gated delta rule returned no final state, though asked for it")
                     states[i] = state[j]
         return outputs, states
 
