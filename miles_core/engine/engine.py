@@ -367,7 +367,8 @@ class Engine:
         sequences = self._sequences(requests)
         futures: list[Future[Completion]] = []
         for sequence in sequences:
-            sequence.future = future = Future()
+            future: Future[Completion] = Future()
+            sequence.future = future
             futures.append(future)
         self._enqueue(sequences)
         return futures
