@@ -151,7 +151,7 @@ class _Batch:
     def outcome(self) -> list[Completion]:
         if self.errors:
             raise min(self.errors, key=lambda e: e[0])[1]  # the first failed request's error, in order
-        return self.results  # type: ignore[return-value]
+        return self.results  # type: ignore[return-value]  # no error: every request set its result
 
 
 class _Sequence:
@@ -793,7 +793,7 @@ class Engine:
         n = self._decoding
         logits = self._runner.decode(self._next_tokens[:n])
         self._counters["decode_steps"] += 1
-        sequences: list[_Sequence] = self._slots[:n]  # type: ignore[assignment]
+        sequences: list[_Sequence] = self._slots[:n]  # type: ignore[assignment]  # the first _decoding slots are filled
         p = self._row_params
         uniforms(self._row_seed[:n], self._row_drawn[:n], out=self._uniforms_view[:n])
         self._row_drawn[:n] += 1

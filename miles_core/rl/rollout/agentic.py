@@ -69,9 +69,16 @@ class AgenticRollout:
         from miles_core.session.client import LocalSessions
 
         config, aio, pm = context.config, context.aio, context.pm
-        sessions: SessionClient | str = context.session_url or LocalSessions.for_engine(
-            context.engine, context.model_dir, version=config.rollout.session_version, pm=pm,  # type: ignore[arg-type]
-        )
+        sessions: SessionClient | str
+        if context.session_url:
+            sessions = context.session_url
+        else:
+            from miles_core.engine.engine import Engine
+
+            if not isinstance(context.engine, Engine):
+                raise TypeError(f"in-process sessions need the embedded Engine, not {type(context.engine).__name__}: "
+                                "an orchestrator with another engine passes RolloutContext.session_url")
+            sessions = LocalSessions.for_engine(context.engine, context.model_dir, version=config.rollout.session_version, pm=pm)
         sandbox = tool_sandbox(config, pm, aio, context.task.tools)
         try:
             rollout = cls(sessions, context.tokenizer, config.rollout, config.run.seed, aio, context.task.tools, sandbox)

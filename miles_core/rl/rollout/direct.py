@@ -114,7 +114,7 @@ class DirectRollout:
             decoded = self.tokenizer.batch_decode([completions[i].token_ids for i in longer], skip_special_tokens=True)
             for i, text in zip(longer, decoded):
                 texts[i] = text
-        return texts, firsts  # type: ignore[return-value]
+        return texts, firsts  # type: ignore[return-value]  # each None was a longer completion, filled above
 
     def close(self) -> None:
         """Nothing to stop: the engine belongs to the run."""
