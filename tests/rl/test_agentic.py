@@ -95,6 +95,20 @@ def test_the_agentic_rollout_function_conforms_against_a_session_server(tmp_path
     assert len(trajectories) == 6 and all(t.turns == 1 for t in trajectories)
 
 
+def test_in_process_sessions_need_the_embedded_engine():
+    """Without a session server, another engine is refused before anything starts (it failed
+    later, inside the session upstream, on an attribute only the embedded engine has)."""
+    from miles_core.rl.rollout.agentic import AgenticRollout
+    from miles_core.testing.rollout import make_context
+
+    context = make_context()
+    try:
+        with pytest.raises(TypeError, match="session_url"):
+            AgenticRollout.start(context)
+    finally:
+        context.aio.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_engine():
     pytest.importorskip("torch")
