@@ -74,7 +74,7 @@ class PromptSampler:
         return order
 
     def next(self) -> list[Prompt]:
-        out = []
+        out: list[Prompt] = []
         while len(out) < self.per_step:
             order = self._order(self.epoch)
             take = order[self.offset : self.offset + self.per_step - len(out)]
@@ -90,6 +90,11 @@ class PromptSampler:
 
     def restore(self, cursor: dict[str, int]) -> None:
         self.epoch, self.offset = cursor["epoch"], cursor["offset"]
+
+
+def _numbers(records: Sequence[Record], key: str) -> list[float]:
+    """``key``'s value in each record that holds a number there."""
+    return [v for r in records if isinstance(v := r.get(key), float | int)]
 
 
 @dataclass
@@ -121,9 +126,9 @@ class RunResult:
             "startup_s": round(self.startup_s, 2),
             "startup_share": round(self.startup_s / self.seconds, 3) if self.seconds > 0 else None,
             "last": last,
-            "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in self.records), default=None),
-            "mean_logprob_mismatch": (sum(r["logprob_mismatch_mean"] for r in self.records) / len(self.records)
-                                      if self.records else None),
+            "max_logprob_mismatch": max(_numbers(self.records, "logprob_mismatch_max"), default=None),
+            "mean_logprob_mismatch": (sum(means) / len(means) if (means := _numbers(self.records, "logprob_mismatch_mean"))
+                                      else None),
             "metrics": str(self.out_dir / "metrics.jsonl"),
             "summary": str(self.out_dir / "summary.json"),
             "plot": str(self.out_dir / "plot.png") if (self.out_dir / "plot.png").exists() else None,

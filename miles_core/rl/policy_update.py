@@ -236,9 +236,9 @@ def policy_update(
             updates += 1
     if dp is not None:
         keys = ["loss", "entropy", "approx_kl", "clip_fraction", "trained_tokens", "row_tokens", "kl_ref"]
-        totals = dp.all_reduce([sums.get(k, 0.0) for k in keys] + [mismatch_sum, mismatch_kl, float(mismatch_n)])
-        sums = dict(zip(keys, totals[: len(keys)]))
-        mismatch_sum, mismatch_kl, mismatch_n = totals[-3], totals[-2], int(totals[-1])
+        reduced = dp.all_reduce([sums.get(k, 0.0) for k in keys] + [mismatch_sum, mismatch_kl, float(mismatch_n)])
+        sums = dict(zip(keys, reduced[: len(keys)]))
+        mismatch_sum, mismatch_kl, mismatch_n = reduced[-3], reduced[-2], int(reduced[-1])
         mismatch_max = dp.all_reduce([mismatch_max], op="max")[0]
     trained = max(sums.get("trained_tokens", 0.0), 1.0)
     out = {
