@@ -22,7 +22,9 @@ import functools
 import inspect
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -134,6 +136,66 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One ``scaled_dot_product_attention`` call: ``count`` segments of ``length`` queries each."""
+
+    count: int
+    length: int
+    query_index: torch.Tensor  # [count * length] flat token positions
+    key_index: torch.Tensor | None  # [count * (prefix + length)]; None: the keys are the queries
+    allowed: torch.Tensor | None  # [length, prefix + length] for branches; None: causal
+
+
+@dataclass(frozen=True)
+class _Plan:
+    jobs: tuple[_Job, ...]
+    inverse: torch.Tensor | None  # puts the jobs' outputs back in token order; None: plain slices
+    slices: tuple[tuple[int, int], ...] = ()
+
+
+#: one plan per packed forward and device: every attention layer, the reference forward and the
+#: activation-checkpoint replay of a row read the same boundaries
+_PLANS: weakref.WeakKeyDictionary[PackedSequences, dict[torch.device, _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _plan(ctx: PackedSequences, device: torch.device) -> _Plan:
+    by_device = _PLANS.setdefault(ctx, {})
+    plan = by_device.get(device)
+    if plan is None:
+        plan = by_device[device] = _make_plan(ctx, device)
+    return plan
+
+
+def _make_plan(ctx: PackedSequences, device: torch.device) -> _Plan:
+    bounds = ctx.cu_seqlens_cpu.tolist()
+    branch_of = {start: (root, prefix) for start, root, prefix in ctx.branches or ()}
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (length, prefix) -> [(start, root)]
+    for start, end in itertools.pairwise(bounds):
+        root, prefix = branch_of.get(start, (start, 0))
+        groups.setdefault((end - start, prefix), []).append((start, root))
+    if not branch_of and len(groups) == len(bounds) - 1:  # every length distinct: plain slices, no gather
+        return _Plan((), None, tuple(itertools.pairwise(bounds)))
+    jobs, positions = [], []
+    for (length, prefix), members in groups.items():
+        starts = torch.tensor([start for start, _ in members])
+        query_index = (starts[:, None] + torch.arange(length)[None, :]).view(-1)
+        key_index = allowed = None
+        if prefix:
+            roots = torch.tensor([root for _, root in members])
+            key_index = torch.cat(
+                [roots[:, None] + torch.arange(prefix)[None, :], starts[:, None] + torch.arange(length)[None, :]], dim=1
+            ).view(-1).to(device)
+            keys = torch.arange(prefix + length)
+            allowed = ((keys[None, :] < prefix) | (keys[None, :] - prefix <= torch.arange(length)[:, None])).to(device)
+        jobs.append(_Job(len(members), length, query_index.to(device), key_index, allowed))
+        positions.append(query_index)
+    order = torch.cat(positions)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return _Plan(tuple(jobs), inverse.to(device))
+
+
 def _per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedSequences, scale: float, dropout: float
 ) -> torch.Tensor:
@@ -143,57 +205,40 @@ def _per_document(
 
     A branch segment (``ctx.branches``: a response laid out after its group's shared prompt) attends
     to its root's prompt tokens and then causally to itself; branches of equal prompt and own length
-    share a call too.
+    share a call too. The gather indices are planned once per packed forward (:func:`_plan`).
     """
     heads, head_dim = q.shape[1], q.shape[2]
     k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
-    bounds = ctx.cu_seqlens_cpu.tolist()
-    branch_of = {start: (root, prefix) for start, root, prefix in ctx.branches or ()}
-    jobs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (length, prefix) -> [(start, root)]
-    for start, end in itertools.pairwise(bounds):
-        root, prefix = branch_of.get(start, (start, 0))
-        jobs.setdefault((end - start, prefix), []).append((start, root))
-    if not branch_of and len(jobs) == len(bounds) - 1:  # every length distinct: plain slices, no gather
+    plan = _plan(ctx, q.device)
+    if plan.inverse is None:
         outs = []
-        for start, end in itertools.pairwise(bounds):
+        for start, end in plan.slices:
             qd, kd, vd = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
             out = torch.nn.functional.scaled_dot_product_attention(
                 qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
             )
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
-    pieces, positions = [], []
-    for (length, prefix), members in jobs.items():
-        starts = torch.tensor([start for start, _ in members])
-        query_index = (starts[:, None] + torch.arange(length)[None, :]).view(-1).to(q.device)
 
-        def gathered(t: torch.Tensor, index: torch.Tensor, n: int, count: int = len(members)) -> torch.Tensor:
-            # [count * n, H, D] -> [count, H, n, D]
-            return t.index_select(0, index).view(count, n, heads, head_dim).transpose(1, 2)
+    def gathered(t: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+        # [count * n, H, D] -> [count, H, n, D]
+        return t.index_select(0, index).view(count, -1, heads, head_dim).transpose(1, 2)
 
-        qd = gathered(q, query_index, length)
-        if prefix == 0:
-            kd, vd = gathered(k, query_index, length), gathered(v, query_index, length)
+    pieces = []
+    for job in plan.jobs:
+        qd = gathered(q, job.query_index, job.count)
+        if job.key_index is None:
+            kd, vd = gathered(k, job.query_index, job.count), gathered(v, job.query_index, job.count)
             out = torch.nn.functional.scaled_dot_product_attention(
                 qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
             )
         else:
-            roots = torch.tensor([root for _, root in members])
-            key_index = torch.cat(
-                [roots[:, None] + torch.arange(prefix)[None, :], starts[:, None] + torch.arange(length)[None, :]], dim=1
-            ).view(-1).to(q.device)
-            kd, vd = gathered(k, key_index, prefix + length), gathered(v, key_index, prefix + length)
-            keys = torch.arange(prefix + length, device=q.device)
-            allowed = (keys[None, :] < prefix) | (keys[None, :] - prefix <= torch.arange(length, device=q.device)[:, None])
+            kd, vd = gathered(k, job.key_index, job.count), gathered(v, job.key_index, job.count)
             out = torch.nn.functional.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=allowed, dropout_p=dropout, scale=scale
+                qd, kd, vd, attn_mask=job.allowed, dropout_p=dropout, scale=scale
             )
         pieces.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
-        positions.append(query_index)
-    order = torch.cat(positions)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return torch.cat(pieces).index_select(0, inverse)
+    return torch.cat(pieces).index_select(0, plan.inverse)
 
 
 VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedSequences, float], torch.Tensor]
