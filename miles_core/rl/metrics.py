@@ -182,13 +182,14 @@ def plot_run(
     ``final_accuracy`` is ``(steps_done, accuracy)`` of the evaluation after the last step (it
     belongs to no step's record), drawn on the accuracy panel.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a bare Figure renders with Agg and needs no pyplot (its import and global state cost ~0.4 s);
+    # fixed margins instead of tight_layout, which measures every text artist first (~0.4 s)
+    from matplotlib.figure import Figure
 
     records = list(records)
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig = Figure(figsize=(16, 7))
+    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.08, top=0.9, wspace=0.25, hspace=0.4)
+    axes = fig.subplots(2, 4)
     for ax, (key, label) in zip(axes.flat, PLOTTED):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if key == "greedy_accuracy" and final_accuracy is not None:
@@ -211,7 +212,5 @@ def plot_run(
     ax.plot(steps, [r.get("tokens_per_s", 0.0) for r in records])
     ax.set_title("tokens/s")
     fig.suptitle(title)
-    fig.tight_layout()
     fig.savefig(path, dpi=80)
-    plt.close(fig)
     return path
