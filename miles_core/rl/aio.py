@@ -8,6 +8,7 @@ one event loop for the whole run.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -23,7 +24,11 @@ class BackgroundLoop:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the background loop and wait for its result (exceptions propagate)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the background loop; its result (or exception) arrives in the future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
         if self.loop.is_closed():

@@ -148,6 +148,9 @@ def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -
     aio = BackgroundLoop()
     closers: list[Callable[[], None]] = [trainer.close, aio.close]
     try:
+        # the reward sandbox starts on the background loop while the engine loads
+        rewards = RewardRunner(parts.task.reward, config.reward, pm, aio)
+        closers.append(rewards.close)
         engine = Engine.from_pretrained(
             model_dir,
             EngineConfig(
@@ -159,10 +162,9 @@ def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -
             ),
         )
         closers.append(engine.close)
-        rewards = RewardRunner(parts.task.reward, config.reward, pm, aio)
-        closers.append(rewards.close)
         rollout = parts.rollout.start(RolloutContext(config, parts.task, engine, tokenizer, model_dir, aio, pm))
         closers.append(rollout.close)
+        rewards.ready()
     except BaseException:
         for close in reversed(closers):
             close()

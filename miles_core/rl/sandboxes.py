@@ -45,11 +45,30 @@ class WarmSandbox:
         timeout_s: float,
         options: Mapping[str, Any] | None = None,
     ) -> None:
+        self._fields(provider, aio, timeout_s)
+        self._manager, self._sandbox = aio.run(self._start(pm, role, dict(options or {})))
+
+    @classmethod
+    async def started(
+        cls,
+        pm: Any,
+        provider: str,
+        role: str,
+        aio: BackgroundLoop,
+        timeout_s: float,
+        options: Mapping[str, Any] | None = None,
+    ) -> WarmSandbox:
+        """The same sandbox, awaited on ``aio``'s loop (the constructor blocks on it)."""
+        self = cls.__new__(cls)
+        self._fields(provider, aio, timeout_s)
+        self._manager, self._sandbox = await self._start(pm, role, dict(options or {}))
+        return self
+
+    def _fields(self, provider: str, aio: BackgroundLoop, timeout_s: float) -> None:
         self.provider_name = provider
         self.aio = aio
         self.timeout_s = timeout_s
         self._programs: set[str] = set()
-        self._manager, self._sandbox = aio.run(self._start(pm, role, dict(options or {})))
 
     async def _start(self, pm: Any, role: str, options: dict[str, Any]) -> tuple[Any, Any]:
         from miles_core.sandbox.base import SandboxSpec
@@ -88,6 +107,11 @@ class WarmSandbox:
         manager, self._manager = self._manager, None
         if manager is not None:
             self.aio.run(_close(manager))
+
+    async def aclose(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            await _close(manager)
 
 
 async def _close(manager: Any) -> None:

@@ -5,7 +5,7 @@ from miles_core.errors import ConfigError
 from miles_core.rl.builtin import first_token_reward, miles_tasks
 from miles_core.rl.tasks import RewardInput, SandboxReward, resolve_reward
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 def _input(answer, first):
@@ -70,3 +70,29 @@ def test_doctor_reports_tasks_presets_and_dependencies(miles_pm_factory):
     assert results["task arith-add"].status == "ok" and "55 prompts" in results["task arith-add"].detail
     assert {"preset tiny", "preset small-gpu", "module transformers", "module ray"} <= results.keys()
     assert not results["module ray"].required
+
+
+def test_reward_sandbox_starts_in_the_background_and_reports_its_failure(miles_pm_factory):
+    from miles_core.rl.aio import BackgroundLoop
+    from miles_core.rl.config import RewardSection
+    from miles_core.rl.rewards import RewardRunner
+
+    class NoProviders:
+        def contribution(self, kind, name):
+            raise ConfigError(f"no {kind} provider {name!r} here")
+
+    reward = _task("arith-add").reward
+    inputs = [_input("7", "7"), _input("7", "1")]
+    aio = BackgroundLoop()
+    try:
+        failing = RewardRunner(reward, RewardSection(), NoProviders(), aio)  # returns before the start fails
+        with pytest.raises(ConfigError, match="no sandbox provider 'local' here"):
+            failing.ready()
+        failing.close()
+        runner = RewardRunner(reward, RewardSection(), miles_pm_factory(builtins=True), aio)
+        try:
+            assert runner.score(inputs) == [1.0, 0.0]  # the first score waits for the sandbox
+        finally:
+            runner.close()
+    finally:
+        aio.close()

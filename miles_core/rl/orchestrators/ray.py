@@ -301,6 +301,7 @@ def build_ray(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -> Runt
         rewards = RewardRunner(task.reward, config.reward, pm, aio)
         closers.append(rewards.close)
         tokenizer = load_tokenizer(model_dir)
+        rewards.ready()
         engine = _RayEngine(engine_actor)
         evaluator = DirectRollout(engine, tokenizer, config.rollout, config.run.seed)
         labels = ray.get([w.label.remote() for w in workers])
