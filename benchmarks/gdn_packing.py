@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -130,13 +131,14 @@ def train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callab
 
 
 @torch.no_grad()
-def per_document_diffs(model: torch.nn.Module, batch: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, float]:
-    """Max |packed - alone| over all documents' logits, with the packing context and without it."""
+def per_document_diffs(model: torch.nn.Module, unprepared: torch.nn.Module, batch: dict[str, torch.Tensor],
+                       lengths: list[int]) -> dict[str, float]:
+    """Max |packed - alone| over all documents' logits, with the packing context (``model``, prepared)
+    and without it (``unprepared``: the same weights, no packing scope anywhere -- every entry point
+    of a prepared model, its backbone included, opens the scope)."""
     ids, position_ids = batch["input_ids"], batch["position_ids"]
     packed = model(ids, position_ids=position_ids, use_cache=False).logits[0]
-    # The inner model skips the model-level scope: exactly an unprepared model's forward.
-    hidden = model.model(ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    leaking = model.lm_head(hidden)[0]
+    leaking = unprepared(ids, position_ids=position_ids, use_cache=False).logits[0]
     alone = torch.cat([model(doc).logits[0] for doc in ids.split(lengths, dim=1)])
     return {
         "max_diff": (packed - alone).abs().max().item(),
@@ -178,6 +180,7 @@ def gdn_kernel_times(lengths: list[int], iters: int, warmup: int) -> dict[str, f
 
 def cpu_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     overrides = SMOKE_MODEL if args.smoke else CPU_MODEL
     lengths = [n // 8 for n in CPU_LENGTHS] if args.smoke else CPU_LENGTHS
     prepared, unprepared = build_model(overrides), build_model(overrides)
@@ -186,7 +189,7 @@ def cpu_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     steps = {"varlen": train_step(prepared, batch), "leaking": train_step(unprepared, batch)}
     model_times = median_times(steps, args.iters, args.warmup, lambda: None)
     kernel_times = gdn_kernel_times(lengths, args.iters, args.warmup)
-    diffs = per_document_diffs(prepared.eval(), batch, lengths)
+    diffs = per_document_diffs(prepared.eval(), unprepared.eval(), batch, lengths)
     return {
         "benchmark": "gdn_packing",
         "device": "cpu",
@@ -200,6 +203,7 @@ def cpu_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         **diffs,
         "patched": report.applied,
         "smoke": args.smoke,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 
@@ -215,7 +219,9 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     packed = packed_batch(lengths, overrides["vocab_size"], device, torch.Generator().manual_seed(1))
     padded = padded_batch(packed, lengths)
     # before compiling: eval-mode forwards of new shapes would recompile the compiled regions
-    diffs_bf16 = per_document_diffs(model.eval(), packed, lengths)
+    unprepared = build_model(overrides, device).to(torch.bfloat16)  # the same weights
+    diffs_bf16 = per_document_diffs(model.eval(), unprepared.eval(), packed, lengths)
+    del unprepared
     model.train()
     compiled = compile_regions(model) if args.compile else []
     steps = {"packed": train_step(model, packed), "padded": train_step(model, padded)}
@@ -233,7 +239,7 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     if args.fp32_diffs:
         fp32_model = build_model(overrides, device)  # the same weights, uncompiled, in fp32
         prepare_model(fp32_model)
-        diffs_fp32 = per_document_diffs(fp32_model.eval(), packed, lengths)
+        diffs_fp32 = per_document_diffs(fp32_model.eval(), build_model(overrides, device).eval(), packed, lengths)
     return {
         "benchmark": "gdn_packing",
         "device": torch.cuda.get_device_name() if device == "cuda" else device,
