@@ -228,6 +228,7 @@ def discovery(files: int = 500) -> dict:
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]
     cases, never_worse = sharding()
     planner_worst = max(c["planner_worst"] for c in cases)
     greedy_worst = max(c["greedy_worst"] for c in cases)
@@ -243,6 +244,7 @@ def main() -> None:
         "never_worse_than_greedy": never_worse,
         "small_vs_optimum": small_suites(),
         "discovery": discovery(),
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(result))
 

@@ -2,7 +2,7 @@
 
 Prints one JSON line: both medians (seconds) and their ratio (target <= 2.0), measured in the same
 run, interleaved so machine noise hits both equally. It also reports which heavy modules the
-command imported (must be none).
+command imported (must be none) and the 1-minute load average before and after.
 
     python benchmarks/cli_startup.py [--runs 21]
 """
@@ -51,6 +51,7 @@ def main() -> None:
     miles = str(Path(sys.executable).with_name("miles"))
     if not os.path.exists(miles):
         sys.exit(f"no `miles` console script next to {sys.executable}; install the repository first")
+    load_before = os.getloadavg()[0]
     command = [miles, "plugins", "list", "--json"]
     baseline = [sys.executable, "-c", "import click, pluggy"]
     wall(command), wall(baseline)  # warm the page cache and bytecode
@@ -71,6 +72,7 @@ def main() -> None:
         "plugins": len(plugins),
         "heavy_modules_imported": heavy_imports(),
         "bytecode_cache": True,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(result))
 

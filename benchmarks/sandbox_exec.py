@@ -9,7 +9,8 @@ concurrent sandboxes. Prints one JSON line.
   pidfd, sets limits, drops privileges and forks once more into its pid namespace).
 * ``concurrent``: 64 sandboxes created, each running the command at once, then destroyed.
 
-Both sides run the same binary by absolute path, interleaved run by run.
+Both sides run the same binary by absolute path, interleaved run by run. The line records the
+1-minute load average before and after.
 
 Usage: ``python benchmarks/sandbox_exec.py [--runs N] [--sandboxes 64] [-o KEY=VALUE ...]``
 (``-o isolation=process``, ``-o namespace_tool=unshare``: provider options)
@@ -95,6 +96,7 @@ async def concurrent(manager: SandboxManager, count: int) -> dict[str, object]:
 
 
 async def main(runs: int, sandboxes: int, root: Path, options: dict[str, str]) -> dict[str, object]:
+    load_before = os.getloadavg()[0]
     provider = LocalProvider(root, **options)  # type: ignore[arg-type]
     try:
         async with SandboxManager(provider, max_concurrent_creates=16) as manager:
@@ -117,6 +119,7 @@ async def main(runs: int, sandboxes: int, root: Path, options: dict[str, str]) -
         "trivial": {"command": "true", **trivial},
         "concurrent": many,
         "runs": runs,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 
