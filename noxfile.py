@@ -1,22 +1,37 @@
-"""Sessions: lint, tests (everything installed), one per plugin (core + that plugin only), packaging.
+"""Sessions: lint, one per plugin (core + that plugin only), packaging, and the CPU suites with every
+distribution installed, in two shard sessions.
 
-``nox`` with no arguments runs them all; that is the README's test command and what CI runs.
-torch is always installed first, pinned to the CPU build on disk: an unpinned torch would pull a
-multi-GB CUDA build.
+``nox`` with no arguments runs them all, as many at once as the machine has cores (CI: two); that is
+the README's test command and what CI runs. The short sessions come first, so on two cores they share
+both before the two shard sessions (most of the time) start side by side.
+
+Installs go through uv when nox has it (``pip install 'nox[uv]'``), told pip's own configuration
+(indexes, find-links, constraints); otherwise through pip. torch is always installed first, pinned
+to the CPU build on disk: an unpinned torch would pull a multi-GB CUDA build.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "plugin", "packaging"]
+nox.needs_version = ">=2026.10.20"  # sessions in parallel (nox.options.parallel)
+nox.options.sessions = ["lint", "plugin", "packaging", "tests"]
 nox.options.error_on_missing_interpreters = True
+nox.options.parallel = "auto"
+nox.options.allow_parallel = True
+
+# Every test file runs in a fresh pytest process: without bytecode, each one recompiles miles and its
+# tests and pytest re-rewrites hypothesis (a third of a small file's time). Bytecode goes to the
+# gitignored __pycache__ folders and the session venvs.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
@@ -24,6 +39,78 @@ PLUGINS = ["miles_rocm", "miles_e2b", "miles_qwen35", "miles_mtp"]
 #: a plugin's own optional extra its tests exercise (the rocm checkpoint guard protects megatron-core)
 PLUGIN_TEST_EXTRAS = {"miles_rocm": "[megatron]"}
 ALL_LOCAL = ["-e", ".[dev,engine,megatron]", *[arg for p in PLUGINS for arg in ("-e", f"plugins/{p}")]]
+#: the CPU suites, each planned in TEST_SHARDS shards (their `shards` in [tool.miles.ci.suites]);
+#: session tests(shard=i) runs shard i of each
+CPU_SUITES = ("stage-a-cpu", "stage-b-cpu")
+TEST_SHARDS = 2
+
+#: pip settings and the uv variables that say the same (lists: pip splits on whitespace)
+_PIP_TO_UV = {"index-url": ("UV_DEFAULT_INDEX", " "), "extra-index-url": ("UV_INDEX", " "),
+              "find-links": ("UV_FIND_LINKS", ","), "constraint": ("UV_CONSTRAINT", " "),
+              "cert": ("SSL_CERT_FILE", " "), "timeout": ("UV_HTTP_TIMEOUT", " "),
+              "default-timeout": ("UV_HTTP_TIMEOUT", " ")}
+#: pip settings about its output, prompts and cache: they do not change what gets installed
+_PIP_COSMETIC = {"disable-pip-version-check", "no-input", "quiet", "verbose", "progress-bar", "no-color",
+                 "root-user-action", "no-warn-script-location", "cache-dir", "no-cache-dir", "retries"}
+
+
+def _uv_environment_from_pip() -> dict[str, str] | None:
+    """pip's effective configuration (its files and PIP_* variables) as uv's variables, or None when
+    it sets something without a translation here (then pip does the installs).
+
+    ``unsafe-best-match`` is pip's rule: the best version across every index and find-links location.
+    """
+    try:
+        listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                                 text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rank = {"global": 0, "install": 1, ":env:": 2}  # pip: variables over [install] over [global]
+    settings: dict[str, tuple[int, str]] = {}
+    for line in listing.splitlines():
+        name, _, raw = line.partition("=")
+        section, _, key = name.rpartition(".")
+        if section in rank and (key not in settings or rank[section] >= settings[key][0]):
+            settings[key] = (rank[section], ast.literal_eval(raw))
+    env = {"UV_INDEX_STRATEGY": "unsafe-best-match"}
+    for key, (_, value) in sorted(settings.items()):
+        if key in _PIP_TO_UV:
+            variable, separator = _PIP_TO_UV[key]
+            env[variable] = separator.join(value.split())
+        elif key not in _PIP_COSMETIC:
+            return None
+    return env
+
+
+_UV_ENVIRONMENT = _uv_environment_from_pip()
+if _UV_ENVIRONMENT is None:
+    nox.options.default_venv_backend = "virtualenv"
+else:
+    nox.options.default_venv_backend = "uv|virtualenv"
+    for _variable, _value in _UV_ENVIRONMENT.items():
+        os.environ.setdefault(_variable, _value)
+
+
+def _install_torch(session: nox.Session, python: Path | None = None) -> None:
+    """The pinned CPU torch into the session's venv (or ``python``'s); under uv its resolution is
+    checked first, so no CUDA build is ever fetched."""
+    if session.venv_backend != "uv":
+        if python is None:
+            session.install(TORCH)
+        else:
+            session.run(str(python), "-m", "pip", "install", "-q", TORCH, external=True)
+        return
+    target = [] if python is None else ["--python", str(python)]
+    plan = session.run("uv", "pip", "install", *target, "--dry-run", TORCH, silent=True)
+    cuda = [line.strip() for line in str(plan).splitlines()
+            if line.strip().startswith(("+ nvidia-", "+ triton")) or "+cu" in line]
+    if cuda:
+        session.error(f"{TORCH} resolves to a CUDA build here ({', '.join(cuda)}): put the CPU wheel "
+                      "where pip finds it (find-links or an index in pip's configuration)")
+    if python is None:
+        session.install(TORCH)
+    else:
+        session.run("uv", "pip", "install", *target, TORCH)
 
 
 def _version(init_file: Path) -> str:
@@ -47,49 +134,35 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
-def tests(session: nox.Session) -> None:
-    """The CPU suites, run through `miles ci run`, with every distribution of the repository installed.
+@nox.parametrize("shard", list(range(TEST_SHARDS)))
+def tests(session: nox.Session, shard: int) -> None:
+    """Shard ``shard`` of each CPU suite through `miles ci run`, every distribution installed.
 
-    The committed workflows must match what `miles ci workflows` generates from the suites.
-    Extra arguments are passed to `miles ci run` (e.g. `nox -s tests -- --partition 1/2`).
+    Shard 0 also checks that the committed workflows match what `miles ci workflows` generates from
+    the suites. Extra arguments go to `miles ci run` (e.g. `nox -s tests -- --fail-fast`).
     """
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*ALL_LOCAL)
-    session.run("miles", "ci", "workflows", "--check")
-    if session.posargs:
-        for suite in ("stage-a-cpu", "stage-b-cpu"):
-            session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite, *session.posargs)
-        return
-    # CI's machine has 2 cores and the tests run one torch thread each: the two stage-a shards run
-    # side by side (as on two runners), then stage-b.
-    _run_side_by_side(session, [["miles", "ci", "run", "--hw", "cpu", "--suite", "stage-a-cpu", "--partition", f"{i}/2"]
-                                for i in range(2)])
-    session.run("miles", "ci", "run", "--hw", "cpu", "--suite", "stage-b-cpu")
-
-
-def _run_side_by_side(session: nox.Session, commands: list[list[str]]) -> None:
-    """Run ``commands`` at once in the session's venv; print each one's output when all are done."""
-    env = {**os.environ, "PATH": f"{session.bin}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": session.virtualenv.location}
-    with tempfile.TemporaryDirectory(prefix="miles-nox-") as tmp:
-        logs = [Path(tmp) / f"{i}.log" for i in range(len(commands))]
-        procs = []
-        for command, log in zip(commands, logs):
-            session.log(" ".join(command) + f"  (output: after all {len(commands)} finish)")
-            with log.open("wb") as out:
-                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
-        codes = [proc.wait() for proc in procs]
-        for command, log, code in zip(commands, logs, codes):
-            print(f"----- {' '.join(command)}: exit {code} -----\n{log.read_text(errors='replace')}", flush=True)
-    failed = [" ".join(c) for c, code in zip(commands, codes) if code]
+    if session.venv_backend == "uv":
+        session.install("pip")  # tests install throwaway plugins with `python -m pip`
+    if shard == 0:
+        session.run("miles", "ci", "workflows", "--check")
+    failed = []
+    for suite in CPU_SUITES:  # a failure in one suite still runs the next
+        try:
+            session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite,
+                        "--partition", f"{shard}/{TEST_SHARDS}", *session.posargs)
+        except nox.command.CommandFailed:
+            failed.append(suite)
     if failed:
-        session.error(f"failed: {'; '.join(failed)}")
+        session.error(f"failed: {', '.join(failed)} (shard {shard}/{TEST_SHARDS})")
 
 
 @nox.session
 @nox.parametrize("name", PLUGINS)
 def plugin(session: nox.Session, name: str) -> None:
     """One plugin's tests with only the core and that plugin (and its declared deps) installed."""
-    session.install(TORCH)
+    _install_torch(session)
     session.install("-e", ".[dev]", "-e", f"plugins/{name}{PLUGIN_TEST_EXTRAS.get(name, '')}")
     session.run("pytest", f"plugins/{name}/tests", *session.posargs)
 
@@ -97,12 +170,19 @@ def plugin(session: nox.Session, name: str) -> None:
 @nox.session
 def packaging(session: nox.Session) -> None:
     """Build every wheel, install ``miles[rocm,e2b]`` from them into a fresh venv, check the plugins;
-    then ``miles[train]`` runs the main job there, and ``miles`` alone stays small and says what it lacks."""
-    session.install("build>=1.2")
+    then ``miles[train]`` runs the main job there, and ``miles`` alone stays small and says what it lacks.
+
+    miles is installed with pip, as the README says; torch, its prerequisite, and the build tool go
+    through uv when nox has it (same backend, hatchling; uv keeps the build environment)."""
+    if session.venv_backend == "uv":
+        build = ["uv", "build", "--wheel", "--out-dir"]
+    else:
+        session.install("build>=1.2")
+        build = ["python", "-m", "build", "--wheel", "--outdir"]
     with tempfile.TemporaryDirectory(prefix="miles-packaging-") as tmp:
         wheels = Path(tmp) / "wheels"
         for source in [ROOT, *(ROOT / "plugins" / p for p in PLUGINS)]:
-            session.run("python", "-m", "build", "--wheel", "--outdir", str(wheels), str(source), silent=True)
+            session.run(*build, str(wheels), str(source), silent=True)
         built = sorted(p.name for p in wheels.glob("*.whl"))
         session.log(f"built {built}")
         if len(built) != 1 + len(PLUGINS):
@@ -111,7 +191,7 @@ def packaging(session: nox.Session) -> None:
         venv = Path(tmp) / "venv"
         session.run("python", "-m", "venv", str(venv))
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-        session.run(*pip, TORCH, external=True)
+        _install_torch(session, python=venv / "bin" / "python")
         session.run(*pip, "--find-links", str(wheels), "miles[rocm,e2b]", external=True)
         out = session.run(
             str(venv / "bin" / "miles"), "plugins", "list", "--json", external=True, silent=True
@@ -185,3 +265,4 @@ def _check_core_alone(session: nox.Session, wheels: Path, venv: Path) -> None:
 
 def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
