@@ -23,9 +23,9 @@ from pathlib import Path
 import nox
 
 nox.needs_version = ">=2026.10.20"  # sessions in parallel (nox.options.parallel)
-nox.options.sessions = ["lint", "plugin", "packaging", "tests"]
+nox.options.sessions = ["lint", "packaging", "plugin", "tests"]  # the short ones first, longest first
 nox.options.error_on_missing_interpreters = True
-nox.options.parallel = "auto"
+nox.options.parallel = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "auto"
 nox.options.allow_parallel = True
 
 # Every test file runs in a fresh pytest process: without bytecode, each one recompiles miles and its
@@ -139,7 +139,9 @@ def tests(session: nox.Session, shard: int) -> None:
     """Shard ``shard`` of each CPU suite through `miles ci run`, every distribution installed.
 
     Shard 0 also checks that the committed workflows match what `miles ci workflows` generates from
-    the suites. Extra arguments go to `miles ci run` (e.g. `nox -s tests -- --fail-fast`).
+    the suites. Each suite's JUnit report is left in the session's venv folder, for `miles ci
+    est-times --from .nox/tests-*/junit-*.xml`. Extra arguments go to `miles ci run` (e.g. `nox -s
+    tests -- --fail-fast`).
     """
     _install_torch(session)
     session.install(*ALL_LOCAL)
@@ -150,8 +152,9 @@ def tests(session: nox.Session, shard: int) -> None:
     failed = []
     for suite in CPU_SUITES:  # a failure in one suite still runs the next
         try:
-            session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite,
-                        "--partition", f"{shard}/{TEST_SHARDS}", *session.posargs)
+            junit = Path(session.virtualenv.location) / f"junit-{suite}.xml"
+            session.run("miles", "ci", "run", "--hw", "cpu", "--suite", suite, "--partition",
+                        f"{shard}/{TEST_SHARDS}", "--junit", str(junit), *session.posargs)
         except nox.command.CommandFailed:
             failed.append(suite)
     if failed:
