@@ -9,7 +9,7 @@ from miles_core.ci.discovery import Marker, parse_source
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 MARKERS = {
     kind.marker_name: Marker(kind.marker_name, kind.name, kind.marker_parameters()) for kind in (CPU, CUDA)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def ours(path: Path, runs: list[tuple[str, str, float, str]]) -> Path:

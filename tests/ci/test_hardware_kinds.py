@@ -16,7 +16,7 @@ from miles_core.ci.builtin import CPU, CUDA
 from miles_core.ci.register import register_cpu_ci
 from miles_core.hookspecs import hookimpl
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 # markers with the signatures under test (a kind names them as "<this module>:<function>")

@@ -7,7 +7,7 @@ import pytest
 from miles_core.ci.layout import LayoutError, ParallelLayout, derive_layout
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def test_keeps_the_axes_under_test_and_drops_the_rest() -> None:

@@ -9,7 +9,7 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import yaml
 from miles_core.ci.register import register_cpu_ci
 from miles_core.ci.workflows import PR_WORKFLOW
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 pytest.importorskip(
     "miles_rocm", reason="the repository's suites include ROCm stages (install plugins/miles_rocm)"

@@ -8,7 +8,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.ci.selection import resolve_labels, select
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import yaml
 from miles_core.ci.register import register_cpu_ci
 from miles_core.ci.workflows import GATED_WORKFLOW, PR_WORKFLOW, generate, hardware_step_ids
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 INPUT_REF = re.compile(r"inputs\.([A-Za-z_][A-Za-z0-9_-]*)")
 

@@ -15,7 +15,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.cli import cli, main
 from miles_core.testing import plugin_module
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2] / "miles_core"
 #: files that may name torch.cuda: the backends, and a CI template string run on GPU runners

@@ -13,7 +13,7 @@ from miles_core import extras
 from miles_core.ci.register import register_cpu_ci
 from miles_core.cli import main
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 README = Path(__file__).parents[2] / "README.md"
 

@@ -25,7 +25,7 @@ from miles_core.plugins import MilesPluginManager
 from miles_core.testing import isolated_plugin_manager, plugin_module
 from miles_core.testing.hardware import no_active_hardware  # noqa: F401 (autouse: no backend leaks)
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 
 @dataclass

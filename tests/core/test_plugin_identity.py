@@ -17,7 +17,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
 GOOD = "miles-fixture-good"
 IMPOSTOR = "miles-fixture-impostor"

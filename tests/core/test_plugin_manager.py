@@ -11,7 +11,7 @@ from miles_core.errors import ActivationError, ConfigError, PluginLoadError
 from miles_core.plugins import MilesPluginManager, fingerprint_mismatch, get_plugin_manager
 from miles_core.testing import plugin_module as make_plugin
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @dataclass

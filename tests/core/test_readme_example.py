@@ -11,7 +11,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

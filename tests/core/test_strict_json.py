@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from miles_core import strict_json
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _stdlib(value) -> bytes:

@@ -19,7 +19,7 @@ from miles_core.engine.client import (
 )
 from miles_core.testing.engine_stub import Fault, FixedReply, StubEngine, chat_reply
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=13, suite="stage-a-cpu")
 
 REPLY = chat_reply("r", {"role": "assistant", "content": "ok"}, [1, 2], "stop", prompt_tokens=3)
 

@@ -13,7 +13,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
 from miles_core.engine.engine import Engine, EngineConfig
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 TOLERANCE = 1e-5
 

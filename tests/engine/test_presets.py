@@ -11,7 +11,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.presets import PRESETS, SMALL_GPU, TINY, get_preset, preset_dir
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=16, suite="stage-a-cpu")
+register_cpu_ci(est_time=24, suite="stage-a-cpu")
 
 
 def test_tiny_is_a_qwen35_model_in_hf_layout(tiny_dir) -> None:

@@ -19,7 +19,7 @@ from miles_core.engine.base import GenerationRequest, SamplingParams
 from miles_core.engine.engine import Engine, EngineConfig, RequestAborted
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=30, suite="stage-a-cpu")
+register_cpu_ci(est_time=15, suite="stage-a-cpu")
 
 TOLERANCE = 1e-5
 

@@ -15,7 +15,7 @@ from miles_core.engine.engine import Engine, EngineConfig
 from miles_core.engine.protocol import parse_tool_calls
 from miles_core.engine.server import EmbeddedServer
 
-register_cpu_ci(est_time=22, suite="stage-a-cpu")
+register_cpu_ci(est_time=11, suite="stage-a-cpu")
 
 PROMPT = [257, 117, 115, 101, 114, 10, 104, 105, 258, 10, 257, 97, 115, 115, 105, 115, 116, 97, 110, 116, 10]
 

@@ -17,7 +17,7 @@ from miles_core.plugins import MilesPluginManager
 from miles_core.session import SessionServerConfig, serve_in_thread
 from miles_core.testing.isolation import register_builtins
 
-register_cpu_ci(est_time=24, suite="stage-a-cpu")
+register_cpu_ci(est_time=13, suite="stage-a-cpu")
 
 
 MAX_TOKENS = 64

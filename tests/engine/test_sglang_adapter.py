@@ -16,7 +16,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.sglang import SGLangConfig, SGLangError, SGLangServer, launch_sglang
 from miles_core.errors import ConfigError
 
-register_cpu_ci(est_time=11, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 STUB = (sys.executable, str(Path(__file__).with_name("sglang_stub.py")))
 

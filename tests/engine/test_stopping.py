@@ -6,7 +6,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.base import SamplingParams
 from miles_core.engine.stopping import Stop, StopChecker
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _run(params: SamplingParams, text: str, *, eos=(0,), room: int = 1000) -> tuple[Stop | None, int]:

@@ -11,7 +11,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
 from miles_core.engine.engine import Engine, EngineConfig
 
-register_cpu_ci(est_time=33, suite="stage-a-cpu")
+register_cpu_ci(est_time=15, suite="stage-a-cpu")
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 

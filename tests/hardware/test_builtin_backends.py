@@ -13,7 +13,7 @@ from miles_core.hardware.cpu import CpuBackend
 from miles_core.hardware.cuda import CudaBackend
 from miles_core.testing.hardware import assert_backend_conforms
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 @pytest.fixture

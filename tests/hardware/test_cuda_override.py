@@ -13,7 +13,7 @@ from miles_core.hardware import activate
 from miles_core.hardware import doctor as hardware_doctor
 from miles_core.hardware.cuda import CudaBackend
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: CUDA works here")
 

@@ -11,7 +11,7 @@ import torch
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=14, suite="stage-a-cpu")
+register_cpu_ci(est_time=29, suite="stage-a-cpu")
 
 
 def doctor_json(**env: str) -> tuple[int, dict[str, dict]]:

@@ -8,7 +8,7 @@ import torch
 from miles_core.ci.register import register_cpu_ci
 from miles_core.hardware import gdn
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize(("cuda", "fla", "expected"), [

@@ -17,7 +17,7 @@ from miles_core.hardware import (
 )
 from miles_core.hookspecs import hookimpl
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 class FakeBackend(HardwareBackend):

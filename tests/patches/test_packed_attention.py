@@ -10,7 +10,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import attention
 from miles_core.patches.packing import PackedSequences, packed_sequences
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

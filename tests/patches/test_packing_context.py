@@ -18,7 +18,7 @@ from miles_core.patches.packing import (
     packing_scope,
 )
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 
 def ids(*rows: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from miles_core.patches.packing import (
 from miles_core.plugins import MilesPluginManager
 from miles_core.testing import plugin_module
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
 PACKED = packed_position_ids([4, 2])

@@ -10,7 +10,7 @@ from miles_core.patches import KernelRequirement
 from miles_core.plugins import MilesPluginManager
 from miles_core.testing import plugin_module
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 
 def with_examples(patch: object, **factories: object) -> object:

@@ -14,7 +14,7 @@ from miles_core.patches import KernelRequirement, prepare_model
 from miles_core.plugins import MilesPluginManager
 from miles_core.testing import plugin_module
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 def register(pm: MilesPluginManager, *patches: object) -> None:

@@ -5,7 +5,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=16, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 pytest.importorskip("miles_core.session.embed")
 pytest.importorskip("miles_core.testing.engine_stub")

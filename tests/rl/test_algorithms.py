@@ -17,7 +17,7 @@ from miles_core.rl.algorithms.builtin import BUILTIN_ALGORITHMS
 from miles_core.rl.config import AlgorithmSection
 from miles_core.rl.policy_update import UpdateSettings, policy_update, split_minibatches
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 def test_group_advantages():

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.cli import train
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = re.compile(r"0\.11 -> 1\.00 in (\d+-\d+)\s+steps")

@@ -15,7 +15,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=14, suite="stage-a-cpu")
 
 #: the promise of docs/train.md: a bad setting fails before anything starts, in this many seconds
 LIMIT_S = 3.0

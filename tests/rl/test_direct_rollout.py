@@ -11,7 +11,7 @@ from miles_core.rl.rollout.direct import DirectRollout
 from miles_core.rl.rollout.types import sample_seed, sample_seeds
 from miles_core.rl.tasks import Prompt
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 @dataclass

@@ -34,7 +34,7 @@ from miles_core.rl.algorithms.builtin import GRPO
 from miles_core.rl.config import load_config
 from miles_core.rl.trainers.hf import HFTrainer
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=18, suite="stage-b-cpu")
 register_cuda_ci(est_time=240, suite="stage-c-2-gpu-h200", labels=["gpu"])
 
 STATS = ("loss", "grad_norm", "entropy", "approx_kl", "kl_ref", "clip_fraction", "logprob_mismatch_mean",

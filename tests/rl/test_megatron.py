@@ -8,7 +8,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.config import load_config
 from miles_core.rl.loop import train
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=14, suite="stage-b-cpu")
 
 pytest.importorskip("miles_core.engine.engine", reason="the embedded engine (engine concern) is not installed")
 

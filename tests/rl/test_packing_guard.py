@@ -4,7 +4,7 @@ import torch
 from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.trainers.packing_guard import PackingLeakError, check_packing_safe, packing_leak
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=11, suite="stage-a-cpu")
 
 
 def _tiny_qwen35():

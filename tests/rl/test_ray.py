@@ -7,7 +7,7 @@ from miles_core.rl.config import load_config
 from miles_core.rl.loop import train
 from miles_core.rl.metrics import deterministic_view
 
-register_cpu_ci(est_time=70, suite="stage-b-cpu")
+register_cpu_ci(est_time=48, suite="stage-b-cpu")
 
 pytest.importorskip("miles_core.engine.engine", reason="the embedded engine (engine concern) is not installed")
 

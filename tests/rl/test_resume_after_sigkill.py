@@ -13,7 +13,7 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.metrics import deterministic_view
 
-register_cpu_ci(est_time=90, suite="stage-b-cpu")
+register_cpu_ci(est_time=32, suite="stage-b-cpu")
 
 pytest.importorskip("miles_core.engine.engine", reason="the embedded engine (engine concern) is not installed")
 

@@ -21,7 +21,7 @@ from miles_core.testing import plugin_module
 from miles_core.testing.algorithms import assert_algorithm_conforms
 from miles_core.testing.rollout import assert_rollout_conforms
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 
 @dataclass(frozen=True)

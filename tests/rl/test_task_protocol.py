@@ -19,7 +19,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 from miles_core.rl.tasks import Prompt, SandboxReward, trainable
 
-register_cpu_ci(est_time=30, suite="stage-a-cpu")
+register_cpu_ci(est_time=16, suite="stage-a-cpu")
 
 OLD_README_TASK = '''
 from dataclasses import dataclass, field

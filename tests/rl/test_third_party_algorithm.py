@@ -17,7 +17,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=23, suite="stage-b-cpu")
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 

@@ -15,7 +15,7 @@ from miles_core.rl.config import load_config
 from miles_core.rl.trackers.builtin import BUILTIN_TRACKERS
 from miles_core.testing.trackers import assert_tracker_conforms
 
-register_cpu_ci(est_time=40, suite="stage-a-cpu")
+register_cpu_ci(est_time=28, suite="stage-a-cpu")
 
 SDK = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 SECRET = "sk-miles-test-0123456789abcdef"

@@ -10,7 +10,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=130, suite="stage-b-cpu")
+register_cpu_ci(est_time=58, suite="stage-b-cpu")
 
 pytest.importorskip("miles_core.session.embed")
 pytest.importorskip("miles_core.engine.server")

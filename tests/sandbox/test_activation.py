@@ -17,7 +17,7 @@ from miles_core.sandbox.spec import SandboxProviderSpec
 from miles_core.testing import plugin_module
 from miles_core.testing.sandbox import InMemoryProvider
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 class MemorySpec(SandboxProviderSpec):

@@ -15,7 +15,7 @@ from miles_core.sandbox.errors import SandboxUnsupported
 from miles_core.sandbox.local import cgroups
 from miles_core.sandbox.local.provider import LocalProvider
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 @pytest.fixture

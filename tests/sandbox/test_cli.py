@@ -17,7 +17,7 @@ from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.sandbox.ownership import Owner
 
-register_cpu_ci(est_time=12, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 from miles_core.sandbox.base import Copy, ImageSpec, Resources, Run
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 SECRET_FILE = b"file body that must not be inlined"
 BASE = ImageSpec("python:3.12-slim", (Run("pip install x"), Copy("app/main.py", SECRET_FILE), Run("make")))

@@ -24,7 +24,7 @@ from miles_core.sandbox.local.isolation import is_root
 from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.testing.sandbox_probes import _processes_with_args
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 def run(root: Path, options: dict[str, Any], body):  # type: ignore[no-untyped-def]

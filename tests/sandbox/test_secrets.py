@@ -13,7 +13,7 @@ from miles_core.errors import ConfigError
 from miles_core.sandbox.errors import SandboxFatalError
 from miles_core.sandbox.secrets import SecretRef, get_logger, redact
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 PLANTED = "e2b_0123456789abcdef0123456789abcdef01234567"
 

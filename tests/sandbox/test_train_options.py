@@ -10,7 +10,7 @@ from miles_core.errors import ConfigError
 from miles_core.rl.config import load_config
 from miles_core.rl.sandboxes import tool_sandbox_settings
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def test_local_options_reach_the_config_and_the_tools_inherit_them() -> None:

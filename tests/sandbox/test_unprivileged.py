@@ -11,7 +11,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.local import namespaces
 from miles_core.testing.sandbox_probes import PROBES, UnprivilegedPython
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize("tool", ["unshare", "bwrap"])

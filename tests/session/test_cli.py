@@ -15,7 +15,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.cli import cli, main
 from miles_core.testing.engine_stub import ScriptedChat, StubEngine
 
-register_cpu_ci(est_time=22, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 SERVE_OPTIONS = (
     "--upstream", "--upstream-url", "--tokenizer", "--tokenizer-dir", "--version", "--chat-template", "--template-family", "--host", "--port",

@@ -10,7 +10,7 @@ from miles_core.session.errors import UpstreamFailure
 from miles_core.session.tokens import TokenInvariantError, check_aligned, check_extends, first_mismatch
 from miles_core.testing.engine_stub import chat_reply
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 GOOD = chat_reply("r1", {"role": "assistant", "content": "hi"}, [104, 105, 258], "stop", prompt_tokens=4)
 VOCAB = 400

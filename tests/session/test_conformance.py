@@ -12,7 +12,7 @@ from miles_core.session.tree import TreeStore
 from miles_core.session.versions import ConformanceVerified, LinearVersion, TreeVersion
 from miles_core.testing.session import CHECKS, ConformanceError, run_check, run_conformance
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize("check", list(CHECKS))

@@ -12,7 +12,7 @@ from miles_core.session.config import SessionServerConfig
 from miles_core.session.embed import serve_in_thread
 from miles_core.testing.engine_stub import Fault
 
-register_cpu_ci(est_time=24, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 Q1 = {"role": "user", "content": "first question"}
 Q2 = {"role": "user", "content": "second question"}

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=24, suite="stage-a-cpu")
+register_cpu_ci(est_time=16, suite="stage-a-cpu")
 
 ALLOWED = {200, 400, 409, 413, 422}
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -11,7 +11,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 pytest.importorskip("torch")
 pytest.importorskip("miles_core.engine.server")

@@ -16,7 +16,7 @@ from miles_core.session.normalize import (
     upstream_body,
 )
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 
 def _normalize(body):

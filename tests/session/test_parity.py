@@ -6,7 +6,7 @@ import threading
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
 
 def _exchanges(document):

@@ -13,7 +13,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -22,7 +22,7 @@ from miles_core.session.versions import LinearVersion
 from miles_core.testing.engine_stub import ScriptedChat, StubEngine
 from miles_core.testing.isolation import register_builtins
 
-register_cpu_ci(est_time=14, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 
 def _plugin(*versions):

@@ -10,7 +10,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.session import server
 from miles_core.session.trajectory import SERVER_METADATA_KEYS
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
 Q1 = {"role": "user", "content": "one"}
 

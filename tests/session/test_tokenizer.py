@@ -14,7 +14,7 @@ from miles_core.session.errors import InvalidRequest
 from miles_core.session.families import detect_family
 from miles_core.session.tokenizer import DUMMY_HISTORY, ChatTokenizer
 
-register_cpu_ci(est_time=19, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 GLM_SPECIALS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 GLM_TEMPLATE = (

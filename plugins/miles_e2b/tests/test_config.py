@@ -16,7 +16,7 @@ from miles_core.errors import ConfigError
 from miles_core.sandbox.base import SandboxSpec
 from miles_core.sandbox.secrets import Secret, SecretRef
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def test_cloud_is_the_default() -> None:

@@ -25,7 +25,7 @@ from miles_core.sandbox.errors import (
 from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.retry import RetryPolicy
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from miles_e2b.plugin import E2BProviderSpec
 from miles_core.ci.register import register_cpu_ci
 from miles_core.testing.sandbox import ProviderConformance, ProviderFactory
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("E2B_API_KEY"), reason="set E2B_API_KEY to run live E2B tests"

@@ -21,7 +21,7 @@ from miles_core.sandbox.errors import SandboxFatalError
 from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.retry import RetryPolicy
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 PLANTED = "e2b_5ec7e75ec7e75ec7e75ec7e75ec7e75ec7e75ec7"
 WRONG = "e2b_badbadbadbadbadbadbadbadbadbadbadbadbad0"

@@ -8,7 +8,7 @@ import sys
 from miles_core.ci.register import register_cpu_ci
 from miles_core.plugins import MilesPluginManager
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def test_discovered_through_entry_point() -> None:

@@ -26,7 +26,7 @@ from miles_core.sandbox.errors import SandboxThrottled
 from miles_core.sandbox.lifecycle import SandboxManager
 from miles_core.sandbox.retry import RetryPolicy
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 PLANTED = "e2b_" + "5ec7e7" * 6 + "5ec7"
 ATTEMPTS = 4

@@ -20,7 +20,7 @@ from miles_e2b.provider import E2BProvider
 from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.base import Copy, ImageSpec, Run, SandboxSpec
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 async def every_operation(provider: E2BProvider) -> None:

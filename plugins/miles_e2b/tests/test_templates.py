@@ -12,7 +12,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.sandbox.base import Copy, ImageSpec, Resources, Run
 from miles_core.sandbox.lifecycle import SandboxManager
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 RECIPE = ImageSpec(
     "python:3.12-slim",

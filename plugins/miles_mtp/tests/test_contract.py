@@ -10,7 +10,7 @@ from miles_mtp.roll import SequenceLayout
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 # two documents: "p p r r r" (2 prompt, 3 response tokens) and "p r r"
 SAMPLES = [([10, 11, 12, 13, 14], [0, 0, 1, 1, 1]), ([20, 21, 22], [0, 1, 1])]

@@ -10,7 +10,7 @@ from miles_mtp.probe import detect
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=14, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize("name", ["upstream-gpt", "fork-gpt", "mamba"])

@@ -22,7 +22,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ActivationError
 from miles_core.patches import PatchVerificationError
 
-register_cpu_ci(est_time=13, suite="stage-a-cpu")
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
 
 class CallSiteShiftAdapter(LabelAdapter):

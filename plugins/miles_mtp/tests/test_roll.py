@@ -14,7 +14,7 @@ from miles_mtp.roll import LEFT, RIGHT, SequenceLayout, roll, roll_shards, shard
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=14, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 def packings(multiple: int = 1, max_docs: int = 8, max_len: int = 64):

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=26, suite="stage-a-cpu")
+register_cpu_ci(est_time=37, suite="stage-a-cpu")
 
 CP = 2
 #: (cu_seqlens or None for one document per row, rows); documents are multiples of 2 * CP

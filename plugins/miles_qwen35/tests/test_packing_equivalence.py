@@ -23,7 +23,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.patches import attention, prepare_model
 from miles_core.patches.packing import PACKING_KWARG
 
-register_cpu_ci(est_time=26, suite="stage-a-cpu")
+register_cpu_ci(est_time=13, suite="stage-a-cpu")
 
 TOL = 1e-5
 

@@ -16,7 +16,7 @@ from miles_core.errors import ActivationError, PluginLoadError
 from miles_core.patches import PatchVerificationError, prepare_model
 from miles_core.patches.packing import PACKING_KWARG, PackedSequences, PackingError
 
-register_cpu_ci(est_time=25, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 def gdn_of(model: torch.nn.Module) -> torch.nn.Module:

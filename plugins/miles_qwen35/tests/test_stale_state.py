@@ -22,7 +22,7 @@ from miles_core.hardware.gdn import gdn_model_device
 from miles_core.patches import prepare_model
 from miles_core.patches.packing import PACKING_KWARG
 
-register_cpu_ci(est_time=22, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from miles_core.ci.discovery import Marker, parse_source
 from miles_core.ci.layout import ParallelLayout, derive_layout
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 register_rocm_ci(
     est_time=300, suite="stage-c-4-gpu-mi350", labels=["rocm"], num_gpus=4, layout={"tp": 1, "pp": 1}
 )

@@ -14,7 +14,7 @@ from miles_rocm.checkpoint import CheckpointGuard
 from miles_core.ci.register import register_cpu_ci
 from miles_core.hardware import activate
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=11, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["guard", "no-guard"])

@@ -12,7 +12,7 @@ from miles_rocm.checkpoint import WRITER_PATHS, is_guarded, observe_copy_mode, v
 from miles_core.ci.register import register_cpu_ci
 from miles_core.hardware import activate
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=12, suite="stage-a-cpu")
 
 Writer = filesystem_async.FileSystemWriterAsync
 

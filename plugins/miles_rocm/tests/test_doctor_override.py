@@ -12,7 +12,7 @@ from miles_rocm.checkpoint import observe_copy_mode
 
 from miles_core.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=12, suite="stage-a-cpu")
+register_cpu_ci(est_time=24, suite="stage-a-cpu")
 
 
 def test_doctor_reports_rocm_by_override_and_the_guard_status() -> None:
