@@ -25,7 +25,7 @@ import nox
 nox.needs_version = ">=2026.10.20"  # sessions in parallel (nox.options.parallel)
 nox.options.sessions = ["lint", "packaging", "plugin", "tests"]  # the short ones first, longest first
 nox.options.error_on_missing_interpreters = True
-nox.options.parallel = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "auto"
+nox.options.parallel = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 nox.options.allow_parallel = True
 
 # Every test file runs in a fresh pytest process: without bytecode, each one recompiles miles and its
