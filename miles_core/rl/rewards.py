@@ -43,9 +43,9 @@ class RewardRunner:
             self.where = "inprocess"
 
     async def _open(self, reward: SandboxReward, settings: RewardSection, pm: Any) -> WarmSandbox:
-        sandbox = await WarmSandbox.started(
+        sandbox = await WarmSandbox(
             pm, settings.sandbox_provider, "reward", self.aio, settings.timeout_s, settings.sandbox_options
-        )
+        ).start()
         try:
             await sandbox.install(PROGRAM, reward.program)
             for name, content in reward.files.items():

@@ -36,6 +36,8 @@ def tool_sandbox_settings(reward: RewardSection) -> tuple[str, dict[str, Any]]:
 
 
 class WarmSandbox:
+    """One sandbox of ``provider`` kept for a whole run; :meth:`start` creates it (on ``aio``'s loop)."""
+
     def __init__(
         self,
         pm: Any,
@@ -45,45 +47,29 @@ class WarmSandbox:
         timeout_s: float,
         options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._fields(provider, aio, timeout_s)
-        self._manager, self._sandbox = aio.run(self._start(pm, role, dict(options or {})))
-
-    @classmethod
-    async def started(
-        cls,
-        pm: Any,
-        provider: str,
-        role: str,
-        aio: BackgroundLoop,
-        timeout_s: float,
-        options: Mapping[str, Any] | None = None,
-    ) -> WarmSandbox:
-        """The same sandbox, awaited on ``aio``'s loop (the constructor blocks on it)."""
-        self = cls.__new__(cls)
-        self._fields(provider, aio, timeout_s)
-        self._manager, self._sandbox = await self._start(pm, role, dict(options or {}))
-        return self
-
-    def _fields(self, provider: str, aio: BackgroundLoop, timeout_s: float) -> None:
         self.provider_name = provider
         self.aio = aio
         self.timeout_s = timeout_s
+        self._pm, self._role, self._options = pm, role, dict(options or {})
         self._programs: set[str] = set()
+        self._manager: Any = None
+        self._sandbox: Any = None
 
-    async def _start(self, pm: Any, role: str, options: dict[str, Any]) -> tuple[Any, Any]:
+    async def start(self) -> WarmSandbox:
         from miles_core.sandbox.base import SandboxSpec
         from miles_core.sandbox.lifecycle import SandboxManager
 
-        contribution = pm.contribution("sandbox", self.provider_name)
-        pm.verify(contribution, contribution.obj.verify)
-        provider = contribution.obj.create(options)
+        contribution = self._pm.contribution("sandbox", self.provider_name)
+        self._pm.verify(contribution, contribution.obj.verify)
+        provider = contribution.obj.create(self._options)
         manager = SandboxManager(provider)
         try:
-            sandbox = await manager.create(SandboxSpec(labels={"miles.role": role}))
+            self._sandbox = await manager.create(SandboxSpec(labels={"miles.role": self._role}))
         except BaseException:
             await _close(manager)
             raise
-        return manager, sandbox
+        self._manager = manager
+        return self
 
     async def install(self, name: str, program: str) -> None:
         await self._sandbox.write_file(name, program)
@@ -104,9 +90,7 @@ class WarmSandbox:
         return result.stdout
 
     def close(self) -> None:
-        manager, self._manager = self._manager, None
-        if manager is not None:
-            self.aio.run(_close(manager))
+        self.aio.run(self.aclose())
 
     async def aclose(self) -> None:
         manager, self._manager = self._manager, None

@@ -195,7 +195,7 @@ def tool_sandbox(config: TrainConfig, pm: MilesPluginManager, aio: BackgroundLoo
     if not tools:
         return None
     provider, options = tool_sandbox_settings(config.reward)
-    sandbox = WarmSandbox(pm, provider, "tools", aio, config.reward.timeout_s, options)
+    sandbox = aio.run(WarmSandbox(pm, provider, "tools", aio, config.reward.timeout_s, options).start())
     for tool in tools:
         aio.run(sandbox.install(f"tool_{tool.name}.py", tool.program))
     return sandbox

@@ -153,12 +153,12 @@ def test_the_rl_paths_take_e2b_options_by_reference_and_leak_nothing(
     pm, aio = get_plugin_manager(), BackgroundLoop()
     try:
         with caplog.at_level(logging.DEBUG):
-            tools = WarmSandbox(pm, provider, "tools", aio, 30, options)
+            tools = aio.run(WarmSandbox(pm, provider, "tools", aio, 30, options).start())
             tools.close()
-            reward = WarmSandbox(pm, "e2b", "reward", aio, 30, config.reward.sandbox_options)
+            reward = aio.run(WarmSandbox(pm, "e2b", "reward", aio, 30, config.reward.sandbox_options).start())
             reward.close()
             with pytest.raises(SandboxFatalError) as raised:
-                WarmSandbox(pm, "e2b", "reward", aio, 30, {"api_key": f"file:{wrong}"})
+                aio.run(WarmSandbox(pm, "e2b", "reward", aio, 30, {"api_key": f"file:{wrong}"}).start())
     finally:
         aio.close()
     creates = [kw for name, _, kw in server.calls if name == "AsyncSandbox.create"]
