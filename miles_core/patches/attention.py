@@ -138,10 +138,9 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Job:
-    """One ``scaled_dot_product_attention`` call: ``count`` segments of ``length`` queries each."""
+    """One ``scaled_dot_product_attention`` call over ``count`` segments of equal length."""
 
     count: int
-    length: int
     query_index: torch.Tensor  # [count * length] flat token positions
     key_index: torch.Tensor | None  # [count * (prefix + length)]; None: the keys are the queries
     allowed: torch.Tensor | None  # [length, prefix + length] for branches; None: causal
@@ -188,7 +187,7 @@ def _make_plan(ctx: PackedSequences, device: torch.device) -> _Plan:
             ).view(-1).to(device)
             keys = torch.arange(prefix + length)
             allowed = ((keys[None, :] < prefix) | (keys[None, :] - prefix <= torch.arange(length)[:, None])).to(device)
-        jobs.append(_Job(len(members), length, query_index.to(device), key_index, allowed))
+        jobs.append(_Job(len(members), query_index.to(device), key_index, allowed))
         positions.append(query_index)
     order = torch.cat(positions)
     inverse = torch.empty_like(order)
