@@ -21,6 +21,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -104,22 +105,27 @@ def conv_prefill(
     return out, full.gather(1, index).to(conv.dtype)
 
 
+#: ``(q, k, v, g, beta, state) -> out``: one recurrent step, ``state`` updated in place
+FlaStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def recurrent_decode(
     qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    eps: torch.Tensor, sqrt_dk: torch.Tensor,
+    eps: torch.Tensor, sqrt_dk: torch.Tensor, fla_step: FlaStep | None = None,
 ) -> torch.Tensor:
     """One gated-delta-rule step per row, ``state`` ``[n, Hv, Dk, Dv]`` (fp32) updated in place.
 
     ``qk`` ``[n, 2 * Hk, Dk]``: queries then keys, not yet normalised; ``v`` ``[n, Hv, Dv]``,
     ``g``/``beta`` ``[n, Hv]``; ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse
     (0-dim tensors). Value head ``j`` reads key head ``j // (Hv // Hk)`` (transformers'
-    ``repeat_interleave``). Returns ``[n, Hv, Dv]`` fp32.
+    ``repeat_interleave``). Returns ``[n, Hv, Dv]`` fp32. ``fla_step`` (:func:`fla_recurrent_step`)
+    runs it as fla's fused kernel instead of in torch.
     """
     n, hk2, dk = qk.shape
     hk = hk2 // 2
     hv, dv = v.shape[1:]
-    if use_fla(state):
-        return _fla_recurrent_decode(qk[:, :hk], qk[:, hk:], v, g, beta, state)
+    if fla_step is not None:
+        return fla_step(qk[:, :hk], qk[:, hk:], v, g, beta, state)
     rep = hv // hk
     qk = l2norm(qk.float(), eps)  # queries and keys normalised together
     q, k = qk[:, :hk] / sqrt_dk, qk[:, hk:]
@@ -131,16 +137,71 @@ def recurrent_decode(
     return (s * q.reshape(n, hk, 1, dk, 1)).sum(-2).view(n, hv, dv)
 
 
-def _fla_recurrent_decode(
+def fla_recurrent_step() -> FlaStep:
+    """fla's recurrent decode step, resolved once (the engine's forward calls the result inside a
+    CUDA graph or a compiled region, where no lookup should run): in place when fla's kernel takes
+    the parameters this module passes, else through fla's public entry point."""
+    require_fla_ops()
+    kernel = _fla_recurrent_kernel()
+    return _fla_entry_point_decode if kernel is None else functools.partial(_fla_in_place_decode, kernel)
+
+
+def _fla_in_place_decode(
+    kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    if not state.is_contiguous():
+        return _fla_entry_point_decode(q, k, v, g, beta, state)
+    # fla's kernel with the state as both its initial and its final state: each program loads one
+    # [K, BV] tile of one row's state, runs the step and stores the tile where it read it, and no
+    # two programs share a tile, so updating in place is exact and moves the state once (the state
+    # is most of a decode step's memory traffic: 18 MB per row in the small-gpu preset)
+    n, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    block_v = min(8, 1 << (dv - 1).bit_length())
+    out = torch.empty((n, hv, dv), dtype=v.dtype, device=v.device)
+    kernel[(-(-dv // block_v) * n * hv,)](
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), gk=None, gv=None,
+        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=state, ht=state, cu_seqlens=None,
+        scale=dk**-0.5, T=1, H=hk, HV=hv, K=dk, V=dv, BK=1 << (dk - 1).bit_length(), BV=block_v,
+        IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
+        STATE_V_FIRST=False, num_warps=1, num_stages=3,
+    )
+    return out.float()
+
+
+def _fla_entry_point_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
-    # the arguments transformers' GDN layer passes fla (g fp32, beta in the model dtype)
+    """The same step through fla's public entry point, which returns a new final state (one more
+    read and write of every state); the arguments transformers' GDN layer passes it."""
     out, final = require_fla_ops().fused_recurrent_gated_delta_rule(
         q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
         scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     state.copy_(final)
     return out[:, 0].float()
+
+
+#: the parameters of fla's recurrent forward kernel the in-place decode passes (fla 0.6)
+_KERNEL_PARAMETERS = frozenset({
+    "q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens", "scale", "T", "H",
+    "HV", "K", "V", "BK", "BV", "IS_BETA_HEADWISE", "USE_QK_L2NORM_IN_KERNEL", "APPLY_BETA_SIGMOID",
+    "ALLOW_NEG_EIGVAL", "STATE_V_FIRST",
+})
+
+
+@functools.cache
+def _fla_recurrent_kernel() -> Any | None:
+    """fla's fused recurrent forward kernel when its parameters are the ones this module passes
+    (another fla release takes the public entry point instead)."""
+    try:
+        module = importlib.import_module("fla.ops.gated_delta_rule.fused_recurrent")
+        kernel = module.fused_recurrent_gated_delta_rule_fwd_kernel
+        names = set(kernel.arg_names)
+    except (ImportError, AttributeError):
+        return None
+    return kernel if names >= _KERNEL_PARAMETERS else None
 
 
 def _cpu_seqlens(cu_seqlens_cpu: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -295,6 +295,7 @@ class LeanModel:
         #: attention through SDPA (CUDA: fp32 softmax and accumulation) or batched matmuls (CPU)
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator
+        self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
         self.fuse_norms(on_accelerator)
 
     def norms(self) -> list[_Norm]:
@@ -455,7 +456,7 @@ class LeanModel:
         key = m.k_heads * m.k_dim
         qk = mixed[:, : 2 * key].view(n, 2 * m.k_heads, m.k_dim)
         v = mixed[:, 2 * key :].view(n, m.v_heads, m.v_dim)
-        core = gdn_ops.recurrent_decode(qk, v, g, beta, state.recurrent[m.index, :n], self.l2_eps, m.sqrt_dk)
+        core = gdn_ops.recurrent_decode(qk, v, g, beta, state.recurrent[m.index, :n], self.l2_eps, m.sqrt_dk, self.fla_step)
         return self._gdn_out(m, core, z)
 
     # -- prefill ----------------------------------------------------------------------------

@@ -111,3 +111,25 @@ def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(cache) -> Non
                     logprobs = engine.model(ids).logits[0, len(request.input_ids) - 1 : -1].float().log_softmax(-1)
                 expected = logprobs.gather(-1, torch.tensor(completion.token_ids, device="cuda")[:, None]).squeeze(-1).cpu()
                 assert (expected - torch.tensor(completion.logprobs)).abs().max() <= logprob_tolerance("cuda")
+
+
+def test_in_place_recurrent_decode_equals_fla_entry_point() -> None:
+    """The decode step runs fla's kernel with the state as its own final state; the public entry
+    point (a new final state, copied back) runs the same kernel on the same inputs: equal bits."""
+    from miles_core.engine import gdn_ops
+
+    if gdn_ops.fla_ops() is None or gdn_ops._fla_recurrent_kernel() is None:
+        pytest.skip("fla's recurrent kernel is not importable with the parameters the in-place step passes")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, hk, hv, dk, dv = 48, 8, 16, 128, 128
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    qk = rand(n, 2 * hk, dk).bfloat16()
+    v = rand(n, hv, dv).bfloat16()
+    g = -torch.rand(n, hv, generator=gen, device="cuda")
+    beta = torch.rand(n, hv, generator=gen, device="cuda").bfloat16()
+    state = rand(n, hv, dk, dv)
+    in_place, by_copy = state.clone(), state.clone()
+    out = gdn_ops.fla_recurrent_step()(qk[:, :hk], qk[:, hk:], v, g, beta, in_place)
+    expected = gdn_ops._fla_entry_point_decode(qk[:, :hk], qk[:, hk:], v, g, beta, by_copy)
+    assert not torch.equal(in_place, state)  # the step did update the state
+    assert torch.equal(out, expected) and torch.equal(in_place, by_copy)
