@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -50,6 +51,8 @@ class DoctorReport:
     results: list[CheckResult]
     fingerprint: dict[str, Any]
     seconds: float
+    #: wall time of each concern's checks, in the order they ran (where a slow doctor spends it)
+    concern_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -61,6 +64,7 @@ class DoctorReport:
             "results": [asdict(r) for r in self.results],
             "fingerprint": self.fingerprint,
             "seconds": round(self.seconds, 3),
+            "concern_seconds": {k: round(v, 3) for k, v in self.concern_seconds.items()},
         }
 
 
@@ -87,17 +91,28 @@ def check_plugins(pm: MilesPluginManager) -> list[CheckResult]:
     return results
 
 
-def run_doctor(pm: MilesPluginManager, concerns: tuple[str, ...] | None = None) -> DoctorReport:
+#: called after each concern's checks: (concern, its results, its wall seconds)
+ConcernDone = Callable[[str, list[CheckResult], float], None]
+
+
+def run_doctor(pm: MilesPluginManager, concerns: tuple[str, ...] | None = None, *,
+               on_concern: ConcernDone | None = None) -> DoctorReport:
+    """Run the checks of every concern (or of ``concerns``), in :data:`CONCERN_CHECKS` order;
+    ``on_concern`` sees each concern's results as soon as they exist (a GPU doctor can take minutes)."""
     started = time.perf_counter()
     results: list[CheckResult] = []
+    seconds: dict[str, float] = {}
     for concern, path in CONCERN_CHECKS:
         if concerns is not None and concern not in concerns:
             continue
+        concern_started = time.perf_counter()
         try:
-            results.extend(import_object(path)(pm))
+            found = list(import_object(path)(pm))
         except Exception as exc:
             detail = f"{type(exc).__name__}: {exc}"
-            results.append(
-                CheckResult(concern, "activation", "fail", detail, data={"traceback": traceback.format_exc()})
-            )
-    return DoctorReport(results, pm.fingerprint(), time.perf_counter() - started)
+            found = [CheckResult(concern, "activation", "fail", detail, data={"traceback": traceback.format_exc()})]
+        seconds[concern] = time.perf_counter() - concern_started
+        results.extend(found)
+        if on_concern is not None:
+            on_concern(concern, found, seconds[concern])
+    return DoctorReport(results, pm.fingerprint(), time.perf_counter() - started, seconds)

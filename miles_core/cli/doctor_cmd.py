@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from miles_core.cli._output import console, emit_json, plain, quiet_libraries, styled
-from miles_core.doctor import DoctorReport, run_doctor
+from miles_core.doctor import CheckResult, DoctorReport, run_doctor
 from miles_core.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
@@ -25,25 +25,38 @@ def doctor(as_json: bool) -> None:
     measured time), a plugin's hardware backend replacing a built-in one.
     """
     quiet_libraries()
-    report = run_doctor(get_plugin_manager())
     if as_json:
+        err = click.get_text_stream("stderr")
+        # progress for a person watching; scripts reading stdout get exactly one JSON document
+        progress = (lambda concern, _results, seconds: print(f"miles doctor: {concern} checked in {seconds:.1f} s",
+                                                              file=err, flush=True)) if err.isatty() else None
+        report = run_doctor(get_plugin_manager(), on_concern=progress)
         emit_json(report.to_dict())
     else:
-        render_report(report, console())
+        out = console()
+        report = run_doctor(get_plugin_manager(),
+                            on_concern=lambda concern, results, seconds: render_concern(concern, results, seconds, out))
+        render_verdict(report, out)
     if not report.ok:
         sys.exit(1)
 
 
 def render_report(report: DoctorReport, out: Console) -> None:
-    """The doctor's report as text; every item, detail and datum is shown verbatim (see
+    """The doctor's report as text: each concern (with its wall time when the report has it), then the verdict."""
+    for concern in dict.fromkeys(r.concern for r in report.results):
+        results = [r for r in report.results if r.concern == concern]
+        render_concern(concern, results, report.concern_seconds.get(concern), out)
+    render_verdict(report, out)
+
+
+def render_concern(concern: str, results: list[CheckResult], seconds: float | None, out: Console) -> None:
+    """One concern's results; every item, detail and datum is shown verbatim (see
     :func:`miles_core.cli._output.plain`), never read as markup."""
     from rich.text import Text
 
-    concern = None
-    for r in report.results:
-        if r.concern != concern:
-            concern = r.concern
-            out.print(Text.assemble("\n", plain(concern, "bold")))
+    took = "" if seconds is None else f" ({seconds:.1f} s)"
+    out.print(Text.assemble("\n", plain(concern, "bold"), plain(took, "dim")))
+    for r in results:
         out.print(
             Text.assemble(
                 "  ",
@@ -58,6 +71,11 @@ def render_report(report: DoctorReport, out: Console) -> None:
         for key, value in r.data.items():
             if key != "traceback":
                 out.print(Text.assemble("       ", plain(f"{key}: {value}", "dim")))
+
+
+def render_verdict(report: DoctorReport, out: Console) -> None:
+    from rich.text import Text
+
     verdict = ("all required checks passed", "green") if report.ok else ("some required checks failed", "red")
     out.print(
         Text.assemble(

@@ -131,3 +131,34 @@ def test_help_lists_core_commands_without_heavy_imports() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "plugins" in out and "doctor" in out
     assert "HEAVY []" in out
+
+
+def test_doctor_reports_each_concern_as_it_finishes_with_its_time(miles_pm_factory, capsys, monkeypatch) -> None:
+    """A GPU doctor can take minutes: each concern's block is printed when its checks finish (not
+    all at the end), headed by its wall time; --json carries the same times per concern."""
+    import time
+
+    from miles_core import doctor as doctor_module
+
+    pm = miles_pm_factory()
+    pm.register(plugin_module("a", miles_tasks=lambda: [Gadget("t1")]), name="alpha")
+    printed_before: dict[str, str] = {}
+
+    def slow_check(concern: str, delay: float):
+        def check(_pm) -> list:
+            printed_before[concern] = capsys.readouterr().out  # what the CLI had printed when this ran
+            time.sleep(delay)
+            return [doctor_module.CheckResult(concern, f"{concern} item", "ok", "fine")]
+        return check
+
+    checks = {"first": slow_check("first", 0.3), "second": slow_check("second", 0.0)}
+    monkeypatch.setattr(doctor_module, "CONCERN_CHECKS", (("first", "x:first"), ("second", "x:second")))
+    monkeypatch.setattr(doctor_module, "import_object", lambda path: checks[path.split(":")[1]])
+    code, out, _ = run(["doctor"], capsys)
+    assert code == 0
+    assert printed_before["first"] == "" and "first item" in printed_before["second"]  # streamed
+    first_header = next(line for line in printed_before["second"].splitlines() if line.startswith("first"))
+    assert 0.3 <= float(first_header.split("(")[1].split(" s")[0]) < 5
+    code, out, _ = run(["doctor", "--json"], capsys)
+    seconds = json.loads(out)["concern_seconds"]
+    assert list(seconds) == ["first", "second"] and seconds["first"] >= 0.3 > seconds["second"]
