@@ -27,10 +27,12 @@ def doctor(as_json: bool) -> None:
     quiet_libraries()
     if as_json:
         err = click.get_text_stream("stderr")
+
+        def progress(concern: str, _results: list[CheckResult], seconds: float) -> None:
+            print(f"miles doctor: {concern} checked in {seconds:.1f} s", file=err, flush=True)
+
         # progress for a person watching; scripts reading stdout get exactly one JSON document
-        progress = (lambda concern, _results, seconds: print(f"miles doctor: {concern} checked in {seconds:.1f} s",
-                                                              file=err, flush=True)) if err.isatty() else None
-        report = run_doctor(get_plugin_manager(), on_concern=progress)
+        report = run_doctor(get_plugin_manager(), on_concern=progress if err.isatty() else None)
         emit_json(report.to_dict())
     else:
         out = console()
