@@ -26,7 +26,7 @@ def doctor(as_json: bool) -> None:
     """
     quiet_libraries()
     if as_json:
-        err = click.get_text_stream("stderr")
+        err = sys.stderr
 
         def progress(concern: str, _results: list[CheckResult], seconds: float) -> None:
             print(f"miles doctor: {concern} checked in {seconds:.1f} s", file=err, flush=True)
