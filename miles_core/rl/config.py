@@ -115,6 +115,11 @@ class AlgorithmSection(_Section):
     clip_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - clip_low")
     clip_high: float = Field(0.2, ge=0, description="ratio clipped above at 1 + clip_high")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL penalty to the initial policy")
+    kl_bias_correction: bool = Field(
+        True,
+        description="weight each token's k3 KL by its importance ratio pi / pi_rollout (differentiable, 1 on-policy): "
+        "the KL term's gradient becomes the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl)",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     epochs: int = Field(1, ge=1, description="passes over each step's rollouts")
     minibatches: int = Field(1, ge=1, description="optimizer steps per epoch")

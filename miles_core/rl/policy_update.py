@@ -164,7 +164,8 @@ def policy_update(
     ``extra_loss(row)`` adds a backend's auxiliary loss (MTP), already scaled.
 
     The minibatch's loss is ``sum_t w_t * (policy_t - entropy_coef * entropy_t + kl_coef * kl_t)``
-    with the per-token policy loss of the algorithm and the weights ``w`` of its aggregation
+    with the per-token policy loss of the algorithm, ``kl_t`` the k3 KL to the reference (times the
+    token's importance ratio to the rollout with ``kl_bias_correction``) and the weights ``w`` of its aggregation
     (``token-mean``: one over the minibatch's trained tokens). ``loss`` in the statistics is that
     objective per trained token (times the trained tokens of its minibatch, summed, over all
     trained tokens: for ``token-mean``, the mean per-token loss).
@@ -207,7 +208,10 @@ def policy_update(
                     with torch.no_grad():
                         ref_lp = token_logprobs(_at_targets(reference(row), row), targets, settings.temperature)
                     kl_ref = kl_k3(logprobs, ref_lp) * mask
-                    per_token = per_token + algo.kl_coef * kl_ref
+                    # k3's own gradient is biased for the reverse KL; weighted by the ratio to the
+                    # sampling policy (value 1 on-policy, gradient that of the log-prob) it is not
+                    kl_term = kl_ref * (logprobs - rollout_lp).exp() if algo.kl_bias_correction else kl_ref
+                    per_token = per_token + algo.kl_coef * kl_term
                     _add(sums, "kl_ref", float(kl_ref.detach().sum()))
                 weights = aggregation_weights(method.aggregation, mask, doc_index, row.num_docs, totals)
                 loss = (per_token * weights).sum() * world

@@ -45,7 +45,8 @@ SELECTORS: Mapping[str, tuple[str, str]] = {
 #: per section, the settings every selected object honours (an object's ``settings`` adds its own)
 SHARED: Mapping[str, frozenset[str]] = {
     "algorithm": frozenset(
-        {"name", "lr", "weight_decay", "kl_coef", "entropy_coef", "epochs", "minibatches", "max_grad_norm"}
+        {"name", "lr", "weight_decay", "kl_coef", "kl_bias_correction", "entropy_coef", "epochs", "minibatches",
+         "max_grad_norm"}
     ),
     "rollout": frozenset(
         {"path", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p", "top_k"}

@@ -169,15 +169,19 @@ def test_packing_matters_for_a_model_that_ignores_position_restarts():
     assert not torch.allclose(leaking[0, 5:], alone[0], atol=1e-3)
 
 
-def test_grpo_update_is_the_formula_it_always_was():
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_grpo_update_is_the_formula_it_always_was(bias_correction: bool):
     """GRPO through the algorithm protocol: the minibatch loss is still
-    (sum clipped-surrogate - entropy_coef * sum entropy + kl_coef * sum k3) / trained tokens, with
-    the gradient of that expression (computed here directly, the way policy_update did before)."""
+    (sum clipped-surrogate - entropy_coef * sum entropy + kl_coef * sum k3 [* ratio]) / trained
+    tokens, with the gradient of that expression (computed here directly); ``kl_bias_correction``
+    weights each token's k3 by its ratio to the rollout (here far from 1: the rollout log-probs
+    are made up, so both forms differ)."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(3)
     docs = [TrainDocument(tuple(torch.randint(0, 32, (n,), generator=gen).tolist()), 2, (1, 1), (-3.3, -3.4), adv)
             for n, adv in ((5, 1.0), (6, -0.5), (4, 0.25))]
-    algo = AlgorithmSection(entropy_coef=0.01, kl_coef=0.1, clip_low=0.1, clip_high=0.3, max_grad_norm=1e9)
+    algo = AlgorithmSection(entropy_coef=0.01, kl_coef=0.1, clip_low=0.1, clip_high=0.3, max_grad_norm=1e9,
+                            kl_bias_correction=bias_correction)
     model, reference = _tiny_llama(), _tiny_llama()
     with torch.no_grad():
         for p in reference.parameters():
@@ -200,7 +204,10 @@ def test_grpo_update_is_the_formula_it_always_was():
     with torch.no_grad():
         ref = token_logprobs(forward(row, reference)[row.positions], row.targets)
     entropy = (entropy_from_logits(logits) * row.loss_mask).sum()
-    loss = (per_token.sum() - 0.01 * entropy + 0.1 * (kl_k3(logprobs, ref) * row.loss_mask).sum()) / 6
+    kl = kl_k3(logprobs, ref) * row.loss_mask
+    if bias_correction:
+        kl = kl * (logprobs - row.rollout_logprobs).exp()
+    loss = (per_token.sum() - 0.01 * entropy + 0.1 * kl.sum()) / 6
     loss.backward()
     want = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     assert stats["loss"] == pytest.approx(float(loss), rel=1e-5)

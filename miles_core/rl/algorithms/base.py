@@ -41,7 +41,8 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "sequence-mean", "budget")
 #: ``algorithm.*`` settings the loop itself reads for every algorithm; an algorithm's
 #: ``settings`` names the others it reads
 SHARED_SETTINGS: frozenset[str] = frozenset(
-    {"name", "lr", "weight_decay", "kl_coef", "entropy_coef", "epochs", "minibatches", "max_grad_norm"}
+    {"name", "lr", "weight_decay", "kl_coef", "kl_bias_correction", "entropy_coef", "epochs", "minibatches",
+         "max_grad_norm"}
 )
 
 
