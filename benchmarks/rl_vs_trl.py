@@ -8,7 +8,9 @@ Identical settings on both sides (:data:`SETTINGS`): every step samples all 55 p
 completions (440 per step, one token each), temperature 1, group-normalised advantages (divided by
 the group's std), one optimizer step per rollout batch (AdamW, constant learning rate 3e-3, no
 weight decay, gradient norm clipped at 1), the PPO clip at 0.2, a k3 KL penalty of 0.3 to the
-initial policy, no gradient checkpointing. With one-token completions every token-normalisation
+initial policy weighted by each token's importance ratio (TRL's default ``use_bias_correction_kl``,
+miles' ``kl_bias_correction``: the unbiased reverse-KL gradient), no gradient checkpointing. With
+one-token completions every token-normalisation
 TRL offers equals miles' token mean. The stopping rule is the same too: after every step, greedy
 accuracy on all 55 prompts; the run stops at 0.9, or after ``--max-steps`` steps (never reached).
 
@@ -50,6 +52,7 @@ SETTINGS: dict[str, Any] = {
     "temperature": 1.0,
     "lr": 3e-3,
     "kl_coef": 0.3,
+    "kl_bias_correction": True,
     "clip": 0.2,
     "max_grad_norm": 1.0,
 }
@@ -79,6 +82,7 @@ def trl_args(variant: str, seed: int, max_steps: int) -> dict[str, Any]:
         "lr_scheduler_type": "constant",
         "weight_decay": 0.0,
         "beta": SETTINGS["kl_coef"],
+        "use_bias_correction_kl": SETTINGS["kl_bias_correction"],
         "epsilon": SETTINGS["clip"],
         "max_grad_norm": SETTINGS["max_grad_norm"],
         "scale_rewards": "group",
@@ -156,6 +160,7 @@ def miles_overrides(model_dir: Path, seed: int, max_steps: int, out_dir: Path) -
                     "samples_per_prompt": SETTINGS["samples_per_prompt"],
                     "max_new_tokens": SETTINGS["max_new_tokens"], "temperature": SETTINGS["temperature"]},
         "algorithm": {"lr": SETTINGS["lr"], "weight_decay": 0.0, "kl_coef": SETTINGS["kl_coef"],
+                      "kl_bias_correction": SETTINGS["kl_bias_correction"],
                       "clip_low": SETTINGS["clip"], "clip_high": SETTINGS["clip"], "scale_by_std": True,
                       "epochs": 1, "minibatches": 1, "max_grad_norm": SETTINGS["max_grad_norm"]},
         "trainer": {"device": "cpu", "gradient_checkpointing": False},
