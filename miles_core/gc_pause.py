@@ -1,0 +1,49 @@
+"""Pausing Python's cyclic garbage collector while start-up builds objects that live for the run.
+
+Start-up (importing plugin modules, torch and transformers; resolving a config; building a run)
+allocates hundreds of thousands of objects that stay alive until the process exits. Each
+threshold-triggered collection during that phase walks the younger generations -- and every few
+passes, everything built so far -- and finds almost nothing to free: on the tiny preset that work
+is more than a second of start-up, on ``miles plugins list`` about a tenth of the command. Inside
+:func:`gc_paused` no automatic collection runs; ``gc.collect()`` still works (``miles train``
+collects once and freezes the heap when the runtime is built), and collection resumes as before
+when the outermost pause ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+_lock = threading.Lock()
+_depth = 0
+_enabled_before = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Disable automatic garbage collection for the block; on leaving it (also by an exception)
+    the collector is enabled again if it was enabled when the pause began.
+
+    Pauses nest and may overlap across threads: the state is saved by the first pause to begin
+    and restored by the last to end, so an inner pause never re-enables the collector under an
+    outer one.
+    """
+    global _depth, _enabled_before
+    with _lock:
+        if _depth == 0:
+            _enabled_before = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                if _enabled_before:
+                    gc.enable()
+                else:
+                    gc.disable()
