@@ -127,12 +127,11 @@ class EngineUpstream:
         default_max_tokens: int | None = None,
     ) -> None:
         from miles_core.engine import protocol
-        from miles_core.engine.server import DEFAULT_MAX_TOKENS
 
         self.engine = engine
         self.vocab_size = vocab_size
         self.timeout = timeout
-        self.default_max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
+        self.default_max_tokens = protocol.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
         self._protocol = protocol
         self._decoder = _Decoder(tokenizer if tokenizer is not None else copy.deepcopy(engine.tokenizer))
         self._loop: asyncio.AbstractEventLoop | None = None
