@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core import strict_json
 from miles_core.caching import BoundedCache, exact_json_key
-from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
+from miles_core.engine.errors import EngineError, EngineHTTPError
 from miles_core.session.completion import (
     Completion,
     check_sampled,
@@ -53,6 +53,7 @@ DELIVERY_WINDOW_S = 0.05
 
 if TYPE_CHECKING:
     from miles_core.engine import base as engine_base
+    from miles_core.engine.client import EngineClient
     from miles_core.engine.engine import Engine
 
 
