@@ -101,9 +101,11 @@ def train(
     if no_progress:
         layered.append({"run": {"progress": False}})
     layered.extend(overrides)
+    from miles_core.gc_pause import gc_paused
     from miles_core.plugins import get_plugin_manager
 
-    config = load_config(preset, config_file, layered, pm=get_plugin_manager())
+    with gc_paused():  # pydantic's models and the plugins: long-lived objects only
+        config = load_config(preset, config_file, layered, pm=get_plugin_manager())
     if print_config:
         click.echo(json.dumps(config.to_dict(), indent=2))
         return
