@@ -6,10 +6,10 @@ metadata directories (``.dist-info`` / ``.egg-info``) in each ``sys.path`` direc
 removing or upgrading a distribution adds, removes or renames one, and one without entry points
 still matters, since the first distribution of a name on ``sys.path`` hides later ones -- and on
 each ``entry_points.txt`` in them, which an editable install re-run or a hand edit changes in
-place. So the scan result is cached per interpreter and group, stamped with the names of every
-``sys.path`` directory's metadata directories, the ``(mtime_ns, size, inode)`` of each one's
-``entry_points.txt``, and the ``mtime_ns`` of ``sys.path`` entries that are files (zips), and
-rescanned through ``importlib.metadata`` whenever the stamp differs. The directories' own
+place. So the scan result is cached per interpreter, group and ``sys.path``, stamped with the
+names of every ``sys.path`` directory's metadata directories, the ``(mtime_ns, size, inode)`` of
+each one's ``entry_points.txt``, and the ``mtime_ns`` of ``sys.path`` entries that are files
+(zips), and rescanned through ``importlib.metadata`` whenever the stamp differs. The directories' own
 modification times are not part of it: any file created in a ``sys.path`` directory changes
 them -- ``python -m miles_core`` has the working directory there, where runs write their
 output -- and would throw the cache away for nothing.
@@ -73,7 +73,11 @@ def _cache_file(group: str) -> str:
     root = os.environ.get("MILES_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "miles"
     )
-    key = zlib.adler32(f"{sys.executable}\0{group}".encode()) & 0xFFFFFFFF
+    # one file per interpreter, group and sys.path: `miles` (its bin directory first on sys.path)
+    # and `python -m miles_core` (the working directory first) would otherwise rewrite one file
+    # in turn, each start rescanning what the other just cached
+    path = "\0".join(entry or os.getcwd() for entry in sys.path)
+    key = zlib.adler32(f"{sys.executable}\0{group}\0{path}".encode()) & 0xFFFFFFFF
     return os.path.join(root, "entry-points", f"{key:08x}.json")
 
 

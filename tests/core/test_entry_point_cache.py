@@ -138,3 +138,17 @@ def test_a_new_distribution_without_entry_points_invalidates(cache_dir, scans, t
     assert scans == [GROUP, GROUP]
     assert "miles-rocm" not in {e.distribution for e in rescanned}  # what importlib.metadata says, cached
     assert entry_points(GROUP) == rescanned and scans == [GROUP, GROUP]
+
+
+def test_two_sys_paths_keep_a_cache_each(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    # `miles` (its bin directory first) and `python -m miles_core` (the working directory first)
+    first, second = tmp_path / "bin", tmp_path / "work"
+    first.mkdir()
+    second.mkdir()
+    base = list(sys.path)
+    for _ in range(2):
+        for front in (first, second):
+            monkeypatch.setattr(sys, "path", [str(front), *base])
+            entry_points(GROUP)
+    assert scans == [GROUP, GROUP]  # one scan per sys.path, then each is served from its cache
+    assert len(list((cache_dir / "entry-points").glob("*.json"))) == 2
