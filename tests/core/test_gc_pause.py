@@ -1,17 +1,21 @@
-"""gc_paused: no automatic collection inside, the collector's state restored on every way out."""
+"""gc_paused: no automatic collection inside, the collector's state restored on every way out;
+the entry point's exit: garbage finalized, then the rest frozen."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 
+from miles_core import __version__
 from miles_core.ci.register import register_cpu_ci
 from miles_core.gc_pause import gc_paused
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -104,3 +108,42 @@ def test_overlapping_pauses_in_two_threads_restore_once_both_end() -> None:
     release.set()
     thread.join(10)
     assert seen == [True] and gc.isenabled()
+
+
+EXIT_PROBE = """
+import atexit, gc, sys
+from miles_core.cli import main
+
+gc.disable()
+
+class Cycle:
+    def __del__(self):
+        print("finalized", file=sys.stderr, flush=True)
+
+garbage = Cycle()
+garbage.self = garbage
+del garbage
+# registered before main(): runs after whatever main() registers
+atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, file=sys.stderr, flush=True))
+sys.argv = ["miles", "--version"]
+main(ARGV)
+"""
+
+
+def _exit_probe(argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", EXIT_PROBE.replace("ARGV", argv)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_entry_point_finalizes_garbage_then_freezes_at_exit() -> None:
+    # the collector is off: only an explicit collection finalizes the cycle before the handler
+    done = _exit_probe("")
+    assert (done.returncode, done.stdout.strip()) == (0, f"miles {__version__}")
+    assert done.stderr.split() == ["finalized", "frozen", "True"]
+
+
+def test_a_caller_passing_argv_keeps_its_collector() -> None:
+    done = _exit_probe('["--version"]')
+    assert (done.returncode, done.stdout.strip()) == (0, f"miles {__version__}")
+    assert done.stderr.split()[:2] == ["frozen", "False"]  # (the cycle is left to the shutdown's collection)
