@@ -35,6 +35,7 @@ from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_json_atomic
+from miles_core.gc_pause import gc_paused
 from miles_core.hardware.activation import activate
 from miles_core.plugins import MilesPluginManager
 from miles_core.rl import preflight, registry
@@ -245,20 +246,23 @@ def train(
     process's start, so the progress bar and the summary include start-up); default: now.
     """
     started = time.perf_counter() if started is None else started
-    run_dir = preflight.check(config, pm, resume=resume)
-    checkpoint = _resume_point(run_dir.path, config) if resume else None
-    out_dir = run_dir.create()
-    config = config.model_copy(update={"run": config.run.model_copy(update={"out_dir": str(out_dir)})})
-    try:
-        metrics = MetricsLog(out_dir / "metrics.jsonl")
-        parts = resolve_parts(config, pm)
-        trackers = registry.trackers(pm, config)
-        if build is None:
-            build = registry.orchestrator(pm, config).build
-        runtime = build(config, pm, parts)
-    except BaseException:
-        run_dir.discard()
-        raise
+    # start-up (verification, models, engine, sandbox) builds what the run keeps; the in-process
+    # build collects once and freezes it (runtime.freeze_startup_heap) before collection resumes
+    with gc_paused():
+        run_dir = preflight.check(config, pm, resume=resume)
+        checkpoint = _resume_point(run_dir.path, config) if resume else None
+        out_dir = run_dir.create()
+        config = config.model_copy(update={"run": config.run.model_copy(update={"out_dir": str(out_dir)})})
+        try:
+            metrics = MetricsLog(out_dir / "metrics.jsonl")
+            parts = resolve_parts(config, pm)
+            trackers = registry.trackers(pm, config)
+            if build is None:
+                build = registry.orchestrator(pm, config).build
+            runtime = build(config, pm, parts)
+        except BaseException:
+            run_dir.discard()
+            raise
     failed = True
     with StopRequest() as stop:
         try:

@@ -79,8 +79,7 @@ class LocalSessions:
         """Sessions of ``version`` over the embedded ``engine`` called in-process; prompts are
         rendered with the tokenizer and chat template in ``tokenizer_dir``."""
         from miles_core.session.config import ServiceLimits
-        from miles_core.session.server import activate_version
-        from miles_core.session.service import SessionService
+        from miles_core.session.service import SessionService, activate_version
         from miles_core.session.tokenizer import ChatTokenizer
         from miles_core.session.upstream import EngineUpstream
 

@@ -21,7 +21,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
 from miles_core.session.completion import Completion
@@ -38,7 +38,23 @@ from miles_core.session.normalize import (
 from miles_core.session.trajectory import SampleBatch, SampleOptions
 from miles_core.session.upstream import Upstream, upstream_error
 
-__all__ = ["ChatOutcome", "Session", "SessionService", "upstream_error"]
+if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
+
+__all__ = ["ChatOutcome", "Session", "SessionService", "activate_version", "upstream_error"]
+
+
+def activate_version(name: str, pm: MilesPluginManager | None = None) -> SessionVersion:
+    """The registered session version ``name``, verified (fails closed, naming the plugin).
+
+    Here, not in :mod:`.server`: sessions served in this process (``LocalSessions``) activate
+    a version too, and must not import the HTTP transport to do it."""
+    from miles_core.plugins import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    contribution = pm.contribution("session", name)
+    pm.verify(contribution, contribution.obj.verify)
+    return contribution.obj
 
 
 @dataclass(frozen=True, eq=False)

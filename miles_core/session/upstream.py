@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core import strict_json
 from miles_core.caching import BoundedCache, exact_json_key
-from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
+from miles_core.engine.errors import EngineError, EngineHTTPError
 from miles_core.session.completion import (
     Completion,
     check_sampled,
@@ -53,6 +53,7 @@ DELIVERY_WINDOW_S = 0.05
 
 if TYPE_CHECKING:
     from miles_core.engine import base as engine_base
+    from miles_core.engine.client import EngineClient
     from miles_core.engine.engine import Engine
 
 
@@ -127,12 +128,11 @@ class EngineUpstream:
         default_max_tokens: int | None = None,
     ) -> None:
         from miles_core.engine import protocol
-        from miles_core.engine.server import DEFAULT_MAX_TOKENS
 
         self.engine = engine
         self.vocab_size = vocab_size
         self.timeout = timeout
-        self.default_max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
+        self.default_max_tokens = protocol.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
         self._protocol = protocol
         self._decoder = _Decoder(tokenizer if tokenizer is not None else copy.deepcopy(engine.tokenizer))
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from miles_core.session.base import TrajectoryStore
+if TYPE_CHECKING:
+    from miles_core.session.base import TrajectoryStore
 
 
 class ConformanceVerified:
