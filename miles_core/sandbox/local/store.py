@@ -36,17 +36,9 @@ from typing import Any
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_bytes_atomic
 from miles_core.sandbox.local import cgroups
-from miles_core.sandbox.local.isolation import kill_sandbox_processes, kill_uid
+from miles_core.sandbox.local.isolation import EXIT_TIMEOUT_S, kill_sandbox_processes, kill_uid
 from miles_core.sandbox.local.uids import UidRegistry
 from miles_core.sandbox.ownership import process_alive, process_start_time
-
-#: how long destroying a namespace sandbox waits for the kernel to end its pid namespace. The
-#: init's exit completes once every process of the namespace has exited and been reaped: by the
-#: init, or by the commands' waiters, which wait in ``waitid`` (:func:`~miles_core.sandbox.
-#: local.namespaces.wait_for_command`) -- so only CPU time is awaited (milliseconds; under
-#: 20 ms at load 4 on 2 cores). Past this, something no wait would end holds it (a process
-#: stuck in the kernel, a zombie whose parent outside never reaps), and the error names it.
-INIT_EXIT_TIMEOUT_S = 10.0
 
 ENV_ROOT = "MILES_SANDBOX_ROOT"
 
@@ -190,7 +182,7 @@ class Store:
             return {}
 
 
-def kill_and_wait(pid: int, start: str | None, timeout: float = INIT_EXIT_TIMEOUT_S) -> bool:
+def kill_and_wait(pid: int, start: str | None, timeout: float = EXIT_TIMEOUT_S) -> bool:
     """SIGKILL ``pid`` if it is still the process that started at ``start`` and wait until it
     has exited (through a pidfd: a recycled pid is never signalled). True if it was alive.
 
