@@ -1,6 +1,7 @@
-"""The run's background event loop survives a Ctrl-C in its own shutdown.
+"""A Ctrl-C while a run shuts down: the close waits for it, and what is interrupted anyway
+(another Ctrl-C) leaves nothing half closed.
 
-`miles train` closes the loop from the main thread, where a second Ctrl-C raises
+The run's background event loop: `miles train` closes the loop from the main thread, where a second Ctrl-C raises
 KeyboardInterrupt at whatever line is running. Each line `BackgroundLoop.close()` executes is
 interrupted in turn (a trace function raises there, as a signal handler would): afterwards the
 loop must be closed once the cleanup is retried, and nothing may be printed at exit -- a loop left
@@ -11,12 +12,17 @@ Invalid file descriptor: -1").
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.aio import BackgroundLoop
+from miles_core.rl.loop import StopRequest
 
 register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
@@ -83,3 +89,42 @@ def test_close_is_idempotent_and_the_loop_runs_until_then() -> None:
     aio.close()
     assert aio.loop.is_closed()
     aio.close()
+
+
+#: a process started with SIGINT ignored (nohup, a background job) has no Ctrl-C to handle
+needs_sigint = pytest.mark.skipif(
+    signal.getsignal(signal.SIGINT) is signal.SIG_IGN, reason="SIGINT is ignored in this process"
+)
+
+
+def _ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):  # the handler runs between bytecodes of this thread
+        pass
+
+
+@needs_sigint
+def test_a_ctrl_c_while_closing_is_raised_once_the_close_has_finished() -> None:
+    steps: list[str] = []
+    with StopRequest() as stop, pytest.raises(KeyboardInterrupt), stop.closing():
+        _ctrl_c()
+        steps.append("closed the rest")
+    assert steps == ["closed the rest"]
+
+
+@needs_sigint
+def test_another_ctrl_c_interrupts_the_close_itself() -> None:
+    steps: list[str] = []
+    with StopRequest() as stop, pytest.raises(KeyboardInterrupt), stop.closing():
+        _ctrl_c()
+        steps.append("after the first")
+        _ctrl_c()
+        steps.append("after the second")
+    assert steps == ["after the first"]
+
+
+@needs_sigint
+def test_a_failing_close_is_not_masked_by_a_waiting_ctrl_c() -> None:
+    with StopRequest() as stop, pytest.raises(RuntimeError, match="closer failed"), stop.closing():
+        _ctrl_c()
+        raise RuntimeError("closer failed")
