@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from miles_core.errors import ConfigError
+from miles_core.frozen import quick_init
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -84,6 +85,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@quick_init
 @dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized prompt and how to continue it."""
@@ -93,6 +95,7 @@ class GenerationRequest:
     request_id: str | None = None
 
 
+@quick_init
 @dataclass(frozen=True)
 class Timing:
     """Seconds from a request's submission to its admission (a slot), its first token and its last."""
@@ -102,6 +105,7 @@ class Timing:
     finished_s: float
 
 
+@quick_init
 @dataclass(frozen=True)
 class Completion:
     """What the engine generated for one request, token-exact.
