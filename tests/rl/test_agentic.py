@@ -163,3 +163,32 @@ def test_in_process_sessions_equal_a_session_server(tiny_engine):
             b.token_ids, b.loss_mask, b.completion, b.first_token, b.finish_reason, b.weight_version)
         assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
     assert len({t.token_ids for t in here}) > 1  # different seeds sampled different episodes
+
+
+def test_episodes_in_groups_equal_all_at_once(tiny_engine):
+    """``rollout.concurrency`` only groups the episodes (each group's phases one call each): seed
+    for seed the same episodes as the whole step at once, log-probs up to the float noise of
+    other batch shapes."""
+    from transformers import AutoTokenizer
+
+    from miles_core.rl.rollout.agentic import AgenticRollout
+    from miles_core.testing.rollout import PROMPTS, make_context
+
+    engine, directory = tiny_engine
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    batch = [p for p in PROMPTS for _ in range(3)]
+    runs = []
+    for concurrency in (None, 4):
+        context = make_context(engine=engine, tokenizer=tokenizer, model_dir=directory, concurrency=concurrency)
+        rollout = AgenticRollout.start(context)
+        try:
+            runs.append(rollout.run(batch, step=5, first_index=2))
+        finally:
+            rollout.close()
+            context.aio.close()
+    together, grouped = runs
+    assert len(together) == len(batch) and len({t.token_ids for t in together}) > 1
+    for a, b in zip(together, grouped, strict=True):
+        assert (a.prompt, a.token_ids, a.loss_mask, a.completion, a.first_token, a.turns, a.finish_reason) == (
+            b.prompt, b.token_ids, b.loss_mask, b.completion, b.first_token, b.turns, b.finish_reason)
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
