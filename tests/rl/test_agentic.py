@@ -192,3 +192,24 @@ def test_episodes_in_groups_equal_all_at_once(tiny_engine):
         assert (a.prompt, a.token_ids, a.loss_mask, a.completion, a.first_token, a.turns, a.finish_reason) == (
             b.prompt, b.token_ids, b.loss_mask, b.completion, b.first_token, b.turns, b.finish_reason)
         assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
+
+
+def test_young_collections_are_deferred_only_while_episodes_run():
+    import gc
+
+    from miles_core.rl.rollout.agentic import young_collections_deferred
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *before[1:])
+        with young_collections_deferred(9000):
+            assert gc.get_threshold() == (9000, *before[1:])
+        assert gc.get_threshold() == (700, *before[1:])
+        with pytest.raises(KeyError), young_collections_deferred(9000):
+            raise KeyError("an episode failed")
+        assert gc.get_threshold() == (700, *before[1:])
+        gc.set_threshold(20000, *before[1:])
+        with young_collections_deferred(9000):  # never lowered
+            assert gc.get_threshold()[0] == 20000
+    finally:
+        gc.set_threshold(*before)
