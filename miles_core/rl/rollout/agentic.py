@@ -178,18 +178,20 @@ class AgenticRollout:
                           seeds: Sequence[int], turns: list[int], replies: list[ChatTurn]) -> None:
         """The next turn of every ``active`` episode, in one call (a turn that fails upstream, 502,
         is sent again, at most :data:`UPSTREAM_RETRIES` times)."""
-        s = self.settings
+        s, tools = self.settings, self._tool_schemas
+        # the same objects in every body: a group's bodies then differ only in their seed
+        max_tokens, temperature, top_p, top_k = s.max_new_tokens, s.temperature, s.top_p, s.top_k
         failures: dict[int, int] = {}
         todo = list(active)
         while todo:
             bodies = []
             for i in todo:
                 body: dict[str, Any] = {
-                    "messages": conversations[i], "max_tokens": s.max_new_tokens, "temperature": s.temperature,
-                    "top_p": s.top_p, "top_k": s.top_k, "seed": (seeds[i] + turns[i]) % 2**63,
+                    "messages": conversations[i], "max_tokens": max_tokens, "temperature": temperature,
+                    "top_p": top_p, "top_k": top_k, "seed": (seeds[i] + turns[i]) % 2**63,
                 }
-                if self._tool_schemas:
-                    body["tools"] = self._tool_schemas
+                if tools:
+                    body["tools"] = tools
                 bodies.append((ids[i], body))
             retry = []
             for i, result in zip(todo, await self.sessions.chat_many(bodies), strict=True):
