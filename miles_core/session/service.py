@@ -12,17 +12,19 @@ in this process (:mod:`.upstream`). An in-process caller that drives many sessio
 agentic rollout of ``miles train``: a GRPO batch) makes one call per phase instead of one per
 session -- :meth:`~SessionService.create_many`, :meth:`~SessionService.chat_many`,
 :meth:`~SessionService.samples_many`, :meth:`~SessionService.delete_many` -- each session's turn
-going through the same pipeline, failing alone, and the turns reaching the upstream as one batch. Everything before ``commit`` is free of side effects, so a
-request that is rejected or fails upstream leaves the session byte-identical. Between the
-``await`` on the engine and the commit nothing else runs on the event loop, so stores need no
-locks; a version's ``max_in_flight`` bounds concurrent generations per session (409 beyond it,
-never a silent drop).
+going through the same pipeline, failing alone, and the turns reaching the upstream as one batch.
+
+Everything before ``commit`` is free of side effects, so a request that is rejected or fails
+upstream leaves the session byte-identical. Between the ``await`` on the engine and the commit
+nothing else runs on the event loop, so stores need no locks; a version's ``max_in_flight``
+bounds concurrent generations per session (409 beyond it, never a silent drop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -134,7 +136,7 @@ class SessionService:
         self.tokenizer = tokenizer
         self.upstream = upstream
         self.limits = limits or ServiceLimits()
-        self.instance_id = new_session_ids(1)[0]
+        self.instance_id = uuid.uuid4().hex
         self._sessions: dict[str, Session] = {}
 
     def health(self) -> dict[str, Any]:
