@@ -12,11 +12,12 @@ in this process (:mod:`.upstream`). An in-process caller that drives many sessio
 agentic rollout of ``miles train``: a GRPO batch) makes one call per phase instead of one per
 session -- :meth:`~SessionService.create_many`, :meth:`~SessionService.chat_many`,
 :meth:`~SessionService.samples_many`, :meth:`~SessionService.delete_many` -- each session's turn
-going through the same pipeline, failing alone, and the turns reaching the upstream as one batch. Everything before ``commit`` is free of side effects, so a
-request that is rejected or fails upstream leaves the session byte-identical. Between the
-``await`` on the engine and the commit nothing else runs on the event loop, so stores need no
-locks; a version's ``max_in_flight`` bounds concurrent generations per session (409 beyond it,
-never a silent drop).
+going through the same pipeline, failing alone, and the turns reaching the upstream as one batch.
+
+Everything before ``commit`` is free of side effects, so a request that is rejected or fails
+upstream leaves the session byte-identical. Between the ``await`` on the engine and the commit
+nothing else runs on the event loop, so stores need no locks; a version's ``max_in_flight``
+bounds concurrent generations per session (409 beyond it, never a silent drop).
 """
 
 from __future__ import annotations
@@ -45,13 +46,11 @@ from miles_core.session.trajectory import SampleBatch, SampleOptions
 from miles_core.session.upstream import Generation, Upstream, UpstreamCall, upstream_error
 
 if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
     from miles_core.session.families import TemplateFamily
     from miles_core.session.messages import Message, MessageKey
     from miles_core.session.tokenizer import Appended
     from miles_core.session.trajectory import Plan
-
-if TYPE_CHECKING:
-    from miles_core.plugins import MilesPluginManager
 
 __all__ = ["ChatOutcome", "Session", "SessionService", "activate_version", "upstream_error"]
 
