@@ -17,12 +17,6 @@ def _store_class(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-@functools.cache
-def _store_class(module: str, name: str) -> Any:
-    """A store class, imported when the first session starts (a session opens per episode)."""
-    return getattr(importlib.import_module(module), name)
-
-
 class ConformanceVerified:
     """Mixin: ``verify()`` runs the session conformance suite on the version's stores."""
 
