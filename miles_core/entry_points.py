@@ -1,14 +1,18 @@
 """Entry-point discovery with a validated on-disk cache.
 
 ``importlib.metadata`` costs tens of milliseconds to import (email, zipfile, csv, ...), which is
-most of what ``miles plugins list`` would spend before doing any work. The answer changes when a
-distribution is installed, removed or upgraded -- each adds or removes a ``.dist-info`` directory,
-which changes the modification time of the directory holding it -- or when a distribution's
-``entry_points.txt`` is edited in place (an editable install re-run, a hand edit), which changes
-nothing but that file. So the scan result is cached per interpreter and group, stamped with the
-``mtime_ns`` of every ``sys.path`` directory and the ``(mtime_ns, size, inode)`` of every
-``entry_points.txt`` of the ``.dist-info`` / ``.egg-info`` directories in them, and rescanned
-through ``importlib.metadata`` whenever any stamp differs.
+most of what ``miles plugins list`` would spend before doing any work. Its answer depends on the
+metadata directories (``.dist-info`` / ``.egg-info``) in each ``sys.path`` directory -- installing,
+removing or upgrading a distribution adds, removes or renames one, and one without entry points
+still matters, since the first distribution of a name on ``sys.path`` hides later ones -- and on
+each ``entry_points.txt`` in them, which an editable install re-run or a hand edit changes in
+place. So the scan result is cached per interpreter, group and ``sys.path``, stamped with the
+names of every ``sys.path`` directory's metadata directories, the ``(mtime_ns, size, inode)`` of
+each one's ``entry_points.txt``, and the ``mtime_ns`` of ``sys.path`` entries that are files
+(zips), and rescanned through ``importlib.metadata`` whenever the stamp differs. The directories' own
+modification times are not part of it: any file created in a ``sys.path`` directory changes
+them -- ``python -m miles_core`` has the working directory there, where runs write their
+output -- and would throw the cache away for nothing.
 """
 
 from __future__ import annotations
@@ -17,16 +21,19 @@ import json
 import os
 import sys
 import zlib
-from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from miles_core.fileio import write_bytes_atomic
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 ENV_NO_CACHE = "MILES_NO_ENTRY_POINT_CACHE"
 
 
-@dataclass(frozen=True)
-class EntryPointInfo:
+class EntryPointInfo(NamedTuple):
+    """One entry point of a group and the distribution that declares it (a named tuple, not a
+    dataclass: every command builds this class, and a frozen dataclass costs ten times more to
+    define)."""
+
     name: str
     value: str
     distribution: str | None
@@ -34,30 +41,30 @@ class EntryPointInfo:
 
 
 def _path_stamp() -> list[list[object]]:
-    """``[path, mtime_ns, [[metadata dir, mtime_ns, size, inode] ...]]`` per ``sys.path`` entry
-    (``-1`` where there is nothing to stat), the metadata dirs being those holding an
-    ``entry_points.txt``."""
+    """Per ``sys.path`` entry: ``[path, [[metadata dir, mtime_ns, size, inode] or [metadata dir],
+    ...]]`` for a directory (the numbers are its ``entry_points.txt``'s, where it has one),
+    ``[path, mtime_ns]`` for a file, ``[path, -1]`` where there is nothing to read."""
     stamp: list[list[object]] = []
     for entry in sys.path:
         path = entry or os.getcwd()
         try:
-            mtime = os.stat(path).st_mtime_ns
-        except OSError:
-            stamp.append([path, -1, []])
-            continue
-        files: list[list[object]] = []
-        try:
             with os.scandir(path) as it:
                 names = sorted(e.name for e in it if e.name.endswith((".dist-info", ".egg-info")))
-        except OSError:  # a zip file or an unreadable directory: its mtime is all there is
-            names = []
+        except OSError:  # a zip file (its mtime covers its contents), missing or unreadable
+            try:
+                stamp.append([path, os.stat(path).st_mtime_ns])
+            except OSError:
+                stamp.append([path, -1])
+            continue
+        dirs: list[list[object]] = []
         for name in names:
             try:
                 st = os.stat(os.path.join(path, name, "entry_points.txt"))
             except OSError:
+                dirs.append([name])
                 continue
-            files.append([name, st.st_mtime_ns, st.st_size, st.st_ino])
-        stamp.append([path, mtime, files])
+            dirs.append([name, st.st_mtime_ns, st.st_size, st.st_ino])
+        stamp.append([path, dirs])
     return stamp
 
 
@@ -66,7 +73,11 @@ def _cache_file(group: str) -> str:
     root = os.environ.get("MILES_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "miles"
     )
-    key = zlib.adler32(f"{sys.executable}\0{group}".encode()) & 0xFFFFFFFF
+    # one file per interpreter, group and sys.path: `miles` (its bin directory first on sys.path)
+    # and `python -m miles_core` (the working directory first) would otherwise rewrite one file
+    # in turn, each start rescanning what the other just cached
+    path = "\0".join(entry or os.getcwd() for entry in sys.path)
+    key = zlib.adler32(f"{sys.executable}\0{group}\0{path}".encode()) & 0xFFFFFFFF
     return os.path.join(root, "entry-points", f"{key:08x}.json")
 
 
@@ -96,7 +107,7 @@ def entry_points(group: str) -> list[EntryPointInfo]:
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or from an older format: rescan below
     found = _scan(group)
-    payload = {"version": CACHE_VERSION, "stamp": stamp, "entry_points": [asdict(e) for e in found]}
+    payload = {"version": CACHE_VERSION, "stamp": stamp, "entry_points": [e._asdict() for e in found]}
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         write_bytes_atomic(cache, json.dumps(payload).encode())

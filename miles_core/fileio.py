@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to a unique temporary file next to ``path`` and rename it over ``path``."""
-    target = Path(path)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    # os.path rather than pathlib: the entry-point cache writes through here on the start-up
+    # path of every `miles` command, and importing pathlib costs more than the write
+    target = os.fspath(path)
+    head, name = os.path.split(target)
+    temporary = os.path.join(head, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(temporary, target)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
         raise
 
 

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import click
 
     from miles_core.ci.base import CIHardware
-    from miles_core.engine.base import EngineKind
+    from miles_core.engine.kind import EngineKind
     from miles_core.hardware.base import HardwareBackend
     from miles_core.patches.base import ModelPatch
     from miles_core.rl.algorithms.base import Algorithm
@@ -169,7 +169,7 @@ def miles_tasks() -> Sequence[Task]:
 
 @hookspec
 def miles_inference_engines() -> Sequence[EngineKind]:
-    """Inference engines (:class:`miles_core.engine.base.EngineKind`).
+    """Inference engines (:class:`miles_core.engine.kind.EngineKind`).
 
     Called: by ``miles plugins list``, ``miles doctor`` and when an engine is launched
     (``miles engine serve``, the rollout side of ``miles train``).

@@ -42,6 +42,7 @@ import pluggy
 from miles_core import hookspecs
 from miles_core.entry_points import entry_points
 from miles_core.errors import ActivationError, ConfigError, PluginLoadError
+from miles_core.gc_pause import gc_paused
 
 if TYPE_CHECKING:
     import click
@@ -347,7 +348,8 @@ class MilesPluginManager:
             entry_points(group),
             key=lambda ep: (ep.distribution != CORE_DISTRIBUTION, ep.name, normalize_distribution(ep.distribution or "")),
         )
-        with self._lock:
+        # importing plugins builds long-lived objects only: collections here would find nothing
+        with self._lock, gc_paused():
             found: list[PluginRecord] = []
             for ep in eps:
                 record = self._new_record(ep.name, ep.value, ep.distribution, ep.version,

@@ -5,7 +5,8 @@ the registration marker test files call (``register_rocm_ci``), how a runner of 
 up in GitHub Actions, which failure classes may be retried, and default suites for projects that
 declare none. A *suite* (:class:`Suite`) is one CI stage: the hardware it runs on, its runners,
 how many shards it is split into and whether it is enabled. A *registration*
-(:class:`Registration`) is one marker call found in a test file.
+(:class:`miles_core.ci.discovery.Registration`, kept with the parser that finds them) is one
+marker call found in a test file.
 
 Importing this module is cheap (standard library only): descriptors are built at plugin
 discovery time.
@@ -90,51 +91,6 @@ class HardwareSettings:
     install: tuple[str, ...] = ()
     image: str | None = None
     python: str = "3.11"
-
-
-@dataclass(frozen=True)
-class Registration:
-    """One marker call in a test file. ``est_span`` locates the ``est_time`` literal
-    (line, column, end line, end column; 1-based lines, 0-based columns) for rewriting."""
-
-    path: str
-    line: int
-    hardware: str
-    marker: str
-    est_time: float
-    suite: str
-    labels: tuple[str, ...] = ()
-    nightly: bool = False
-    disabled: str | None = None
-    issue: str | None = None
-    num_gpus: int | None = None
-    layout: Mapping[str, int] | None = None
-    #: ``NUM_GPUS = <int>`` at module level of the file, with its line
-    declared_gpus: tuple[int, int] | None = None
-    est_span: tuple[int, int, int, int] = (0, 0, 0, 0)
-
-    @property
-    def location(self) -> str:
-        return f"{self.path}:{self.line}"
-
-    @property
-    def enabled(self) -> bool:
-        return self.disabled is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "line": self.line,
-            "hardware": self.hardware,
-            "suite": self.suite,
-            "est_time": self.est_time,
-            "labels": list(self.labels),
-            "nightly": self.nightly,
-            "disabled": self.disabled,
-            "issue": self.issue,
-            "num_gpus": self.num_gpus,
-            "layout": dict(self.layout) if self.layout is not None else None,
-        }
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
-from miles_core.ci.base import CIHardware, HardwareSettings, Registration, Suite
+from miles_core.ci.base import CIHardware, HardwareSettings, Suite
 from miles_core.ci.config import CIConfig, closest, joined, load_config, settings_for
-from miles_core.ci.discovery import GPU_COUNT_NAME, Marker, discover, find_test_files
+from miles_core.ci.discovery import GPU_COUNT_NAME, Marker, Registration, discover, find_test_files
 from miles_core.ci.layout import ParallelLayout
 from miles_core.errors import ConfigError
 from miles_core.plugins import Contribution, MilesPluginManager, get_plugin_manager

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from miles_core.ci.base import POSITIONAL_PARAMETERS, Registration
+from miles_core.ci.base import POSITIONAL_PARAMETERS
 from miles_core.ci.config import ISSUE_RE, closest
 
 #: module-level constant a multi-GPU test uses for its GPU count (``NUM_GPUS = 8``)
@@ -26,6 +26,51 @@ GPU_COUNT_NAME = "NUM_GPUS"
 #: how many lines past its opening line a registration call may span before the parser falls
 #: back to parsing the whole file
 _MAX_STATEMENT_LINES = 40
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One marker call in a test file. ``est_span`` locates the ``est_time`` literal
+    (line, column, end line, end column; 1-based lines, 0-based columns) for rewriting."""
+
+    path: str
+    line: int
+    hardware: str
+    marker: str
+    est_time: float
+    suite: str
+    labels: tuple[str, ...] = ()
+    nightly: bool = False
+    disabled: str | None = None
+    issue: str | None = None
+    num_gpus: int | None = None
+    layout: Mapping[str, int] | None = None
+    #: ``NUM_GPUS = <int>`` at module level of the file, with its line
+    declared_gpus: tuple[int, int] | None = None
+    est_span: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def location(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "line": self.line,
+            "hardware": self.hardware,
+            "suite": self.suite,
+            "est_time": self.est_time,
+            "labels": list(self.labels),
+            "nightly": self.nightly,
+            "disabled": self.disabled,
+            "issue": self.issue,
+            "num_gpus": self.num_gpus,
+            "layout": dict(self.layout) if self.layout is not None else None,
+        }
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_core.ci.base import Registration
 from miles_core.ci.catalog import Catalog
+from miles_core.ci.discovery import Registration
 from miles_core.ci.junit import Measurement
 from miles_core.errors import ConfigError, MilesError
 from miles_core.fileio import write_bytes_atomic

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_core.ci.base import CIHardware, Registration
+from miles_core.ci.base import CIHardware
+from miles_core.ci.discovery import Registration
 from miles_core.ci.proctree import supervised
 from miles_core.ci.selection import Selection
 from miles_core.ci.sharding import ShardPlan

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from miles_core.ci.base import CADENCES, Registration, Suite
+from miles_core.ci.base import CADENCES, Suite
 from miles_core.ci.catalog import Catalog
 from miles_core.ci.config import closest
+from miles_core.ci.discovery import Registration
 from miles_core.errors import ConfigError
 
 PR_LABEL_PREFIX = "run-ci-"

@@ -86,7 +86,19 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: MilesError becomes a one-line message and its exit code."""
+    """Console-script entry point: MilesError becomes a one-line message and its exit code.
+
+    ``argv=None`` (the console script, ``python -m miles_core``) means this process's own command
+    line: the process ends with the command, so its exit skips the collector's teardown of the
+    imported modules (:func:`miles_core.gc_pause.freeze_at_exit`). Callers passing ``argv`` (tests,
+    embedding code) keep their process's collector as it is.
+    """
+    if argv is None:
+        import atexit
+
+        from miles_core.gc_pause import freeze_at_exit
+
+        atexit.register(freeze_at_exit)
     try:
         cli.main(args=argv, prog_name="miles", standalone_mode=False)
     except click.exceptions.Exit as exc:

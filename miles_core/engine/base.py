@@ -3,7 +3,8 @@
 One upstream contract, two implementations: the embedded engine (:mod:`miles_core.engine.engine`,
 served over HTTP by :mod:`miles_core.engine.server`) and an SGLang server driven by
 :mod:`miles_core.engine.sglang`. Both are contributed through the ``miles_inference_engines``
-hook as :class:`EngineKind` descriptors.
+hook as :class:`EngineKind` descriptors (defined in :mod:`miles_core.engine.kind`, so plugin
+discovery does not build this module's request types; importable from here too).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from miles_core.engine.kind import EngineKind as EngineKind  # re-exported: the engine's public types
 from miles_core.errors import ConfigError
+from miles_core.frozen import quick_init
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -84,6 +87,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@quick_init
 @dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized prompt and how to continue it."""
@@ -93,6 +97,7 @@ class GenerationRequest:
     request_id: str | None = None
 
 
+@quick_init
 @dataclass(frozen=True)
 class Timing:
     """Seconds from a request's submission to its admission (a slot), its first token and its last."""
@@ -102,6 +107,7 @@ class Timing:
     finished_s: float
 
 
+@quick_init
 @dataclass(frozen=True)
 class Completion:
     """What the engine generated for one request, token-exact.
@@ -139,31 +145,6 @@ class EngineServer(Protocol):
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineKind:
-    """An engine implementation contributed through ``miles_inference_engines``.
-
-    ``launcher`` is ``"module:callable"``; the callable takes keyword options and returns an
-    :class:`EngineServer`. It is imported only when the engine is launched. ``check`` is
-    ``"module:callable"`` too: it proves the implementation works on this machine (raises if not).
-    """
-
-    name: str
-    description: str
-    launcher: str
-    check: str
-
-    def launch(self, **options: Any) -> EngineServer:
-        from miles_core.plugins import import_object
-
-        return import_object(self.launcher)(**options)
-
-    def verify(self) -> Any:
-        from miles_core.plugins import import_object
-
-        return import_object(self.check)()
 
 
 def require_model_dir(path: str | Path) -> Path:

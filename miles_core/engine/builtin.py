@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles_core.engine.base import EngineKind
+from miles_core.engine.kind import EngineKind
 from miles_core.hookspecs import hookimpl
 
 EMBEDDED = EngineKind(

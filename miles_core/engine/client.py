@@ -26,8 +26,16 @@ from urllib.parse import unquote, urlsplit
 import httpx
 
 from miles_core import __version__, strict_json
+from miles_core.engine.errors import (
+    EngineConnectionError,
+    EngineHTTPError,
+    EngineProtocolError,
+    EngineTimeoutError,
+)
+from miles_core.engine.errors import (
+    EngineError as EngineError,  # re-exported: the base of what the client raises
+)
 from miles_core.engine.http import HTTPPool
-from miles_core.errors import MilesError
 
 #: sticky-routing header understood by the SGLang model gateway (prefix-cache locality per session)
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -43,36 +51,6 @@ SNIPPET_CHARS = 512
 #: idle pooled connections are not reused after this long: under uvicorn's default 5 s (SGLang's
 #: server), so the engine never closes a connection just as this client sends on it
 KEEPALIVE_S = 4.0
-
-
-class EngineError(MilesError):
-    """Base class: the engine could not be reached or did not answer as the contract says."""
-
-    def __init__(self, message: str, *, url: str) -> None:
-        super().__init__(f"{message} ({url})")
-        self.detail = message
-        self.url = url
-
-
-class EngineConnectionError(EngineError):
-    """No connection could be made, or the connection broke before a complete reply."""
-
-
-class EngineTimeoutError(EngineError):
-    """The engine did not answer within the configured timeout."""
-
-
-class EngineHTTPError(EngineError):
-    """The engine answered with a non-2xx status; ``body_snippet`` is the start of its body."""
-
-    def __init__(self, status_code: int, body_snippet: str, *, url: str) -> None:
-        super().__init__(f"engine answered HTTP {status_code}: {body_snippet}", url=url)
-        self.status_code = status_code
-        self.body_snippet = body_snippet
-
-
-class EngineProtocolError(EngineError):
-    """The engine answered 2xx with a body that is not the JSON object the contract promises."""
 
 
 def snippet(data: bytes | str, limit: int = SNIPPET_CHARS) -> str:

@@ -28,7 +28,7 @@ parameters in a call (a GRPO batch repeats each prompt 8-16 times with one set o
 its own seed), requests with equal parameters share one :class:`~miles_core.engine.stopping.StopRule`,
 the random numbers of a step are drawn for all rows at once (:func:`~miles_core.engine.sampling.uniforms`),
 and :meth:`Engine.generate` waits for its whole batch with one wakeup instead of one future per
-request.
+request (:meth:`Engine.submit_batch`: the same, for a caller that does not block on it).
 
 Use it in-process (``Engine.generate``, ``Engine.update_weights``) or over HTTP
 (:mod:`miles_core.engine.server`).
@@ -132,26 +132,34 @@ class _Spec:
 
 
 class _Batch:
-    """The outcome of one :meth:`Engine.generate` call: its caller wakes once, when the last
-    request of the batch is done. Written by the loop thread only."""
+    """The outcome of requests queued together (:meth:`Engine.generate`, :meth:`Engine.submit_batch`):
+    their caller wakes once, when the last request of the batch is done -- through ``event``, or
+    through ``future``, which then resolves to every request's completion or error, in order.
+    Written by the loop thread only."""
 
-    __slots__ = ("errors", "event", "left", "results")
+    __slots__ = ("errors", "event", "future", "left", "results")
 
-    def __init__(self, n: int) -> None:
-        self.results: list[Completion | None] = [None] * n
+    def __init__(self, n: int, results: list[Any] | None = None, future: Future[list[Any]] | None = None) -> None:
+        self.results: list[Any] = results if results is not None else [None] * n
         self.errors: list[tuple[int, BaseException]] = []
         self.left = n
+        self.future = future
         self.event = threading.Event()
 
     def _one_done(self) -> None:
         self.left -= 1
         if not self.left:
-            self.event.set()
+            if self.future is None:
+                self.event.set()
+                return
+            for index, exc in self.errors:
+                self.results[index] = exc
+            self.future.set_result(self.results)
 
     def outcome(self) -> list[Completion]:
         if self.errors:
             raise min(self.errors, key=lambda e: e[0])[1]  # the first failed request's error, in order
-        return self.results  # type: ignore[return-value]  # no error: every request set its result
+        return self.results  # no error: every request set its result
 
 
 class _Sequence:
@@ -188,7 +196,7 @@ class _Sequence:
         self.seed = seed
         self.checker = checker  # only with stop strings (they need per-sequence state)
         self.submitted = submitted
-        #: where the outcome goes: a future (``submit``) or a slot of a batch (``generate``)
+        #: where the outcome goes: a future (``submit``) or a slot of a batch (``generate``, ``submit_batch``)
         self.future: Future[Completion] | None = None
         self.batch: _Batch | None = None
         self.index = 0
@@ -373,9 +381,45 @@ class Engine:
         self._enqueue(sequences)
         return futures
 
-    def abort(self, future: Future[Completion]) -> None:
+    def submit_batch(self, requests: Sequence[GenerationRequest]) -> Future[list[Completion | Exception]]:
+        """Queue ``requests`` together, as :meth:`generate` does, without waiting for them: the
+        future resolves once every one is done, to each one's :class:`Completion` or error, in
+        order -- one wake-up for the batch instead of a future per request.
+
+        A request that fails validation does not refuse the batch: its
+        :class:`InvalidRequestError` is its outcome and the others run. :meth:`abort` on the
+        future stops every request of the batch still running (each fails with
+        :class:`RequestAborted`). Raises ``RuntimeError`` when the engine cannot take requests.
+        """
+        outcomes: list[Any] = [None] * len(requests)
+        indices: Sequence[int]
+        try:
+            sequences = self._sequences(requests)
+            indices = range(len(requests))
+        except InvalidRequestError:  # find the refused ones; the rest run
+            sequences, indices = [], []
+            for index, request in enumerate(requests):
+                try:
+                    sequences.extend(self._sequences([request]))
+                except InvalidRequestError as exc:
+                    outcomes[index] = exc
+                    continue
+                indices.append(index)
+        future: Future[list[Completion | Exception]] = Future()
+        future.set_running_or_notify_cancel()  # only abort() stops it: it is queued at once
+        if not sequences:
+            future.set_result(outcomes)
+            return future
+        batch = _Batch(len(sequences), outcomes, future)
+        for index, sequence in zip(indices, sequences):
+            sequence.batch, sequence.index = batch, index
+        self._enqueue(sequences)
+        return future
+
+    def abort(self, future: Future[Any]) -> None:
         """Stop generating for ``future`` (its caller went away): it fails with :class:`RequestAborted`
-        before the next decode step, freeing its slot. A finished request is left as it is."""
+        before the next decode step, freeing its slot; for a :meth:`submit_batch` future, every
+        request of the batch not yet done does. A finished request is left as it is."""
         with self._cond:
             self._aborted.add(future)
             self._cond.notify_all()
@@ -868,16 +912,20 @@ class Engine:
 
     def _drop_aborted(self) -> None:
         aborted = self._aborted
-        hit = [s for s in self._slots[: self._decoding] if s is not None and s.future in aborted]
+
+        def is_aborted(sequence: _Sequence) -> bool:
+            return sequence.future in aborted or (sequence.batch is not None and sequence.batch.future in aborted)
+
+        hit = [s for s in self._slots[: self._decoding] if s is not None and is_aborted(s)]
         for sequence in hit:
             self._slots[sequence.row] = None
         if hit:
             self._compact()
         for staged in list(self._staged):
-            for follower in [f for f in staged.followers if f.future in aborted]:
+            for follower in [f for f in staged.followers if is_aborted(f)]:
                 staged.followers.remove(follower)
                 hit.append(follower)
-            if staged.future in aborted:  # its followers still need the prompt: one takes over
+            if is_aborted(staged):  # its followers still need the prompt: one takes over
                 self._staged.remove(staged)
                 hit.append(staged)
                 if staged.followers:
@@ -886,7 +934,7 @@ class Engine:
                     self._staged.append(heir)
         for sequence in hit:
             sequence.fail(RequestAborted(f"request {sequence.request_id} was aborted"))
-        for sequence in [s for s in self._waiting if s.future in aborted]:
+        for sequence in [s for s in self._waiting if is_aborted(s)]:
             self._waiting.remove(sequence)
             if sequence.start():
                 sequence.fail(RequestAborted(f"request {sequence.request_id} was aborted"))

@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from miles_core.engine.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
 
+#: ``max_tokens`` of a request that sets neither it nor ``max_completion_tokens`` (the HTTP
+#: server's default unless it is given another; the in-process session upstream's too)
+DEFAULT_MAX_TOKENS = 256
 #: accepted only with these values (the engine does not implement anything else)
 NEUTRAL_VALUES: dict[str, Any] = {
     "n": 1,

@@ -25,9 +25,9 @@ from starlette.routing import Route
 from miles_core.engine import protocol
 from miles_core.engine.base import Completion, InvalidRequestError
 from miles_core.engine.engine import Engine
+from miles_core.engine.protocol import DEFAULT_MAX_TOKENS
 from miles_core.errors import ConfigError
 
-DEFAULT_MAX_TOKENS = 256
 #: how often a waiting chat request checks whether its client went away
 DISCONNECT_POLL_S = 0.25
 

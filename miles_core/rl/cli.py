@@ -87,7 +87,8 @@ def train(
     """
     started = _clock_origin()
     from miles_core.extras import require
-    from miles_core.rl.config import load_config
+    from miles_core.gc_pause import gc_paused
+    from miles_core.plugins import get_plugin_manager
 
     quiet_libraries()
 
@@ -101,9 +102,10 @@ def train(
     if no_progress:
         layered.append({"run": {"progress": False}})
     layered.extend(overrides)
-    from miles_core.plugins import get_plugin_manager
+    with gc_paused():  # pydantic and the config's models, the plugins: long-lived objects only
+        from miles_core.rl.config import load_config
 
-    config = load_config(preset, config_file, layered, pm=get_plugin_manager())
+        config = load_config(preset, config_file, layered, pm=get_plugin_manager())
     if print_config:
         click.echo(json.dumps(config.to_dict(), indent=2))
         return

@@ -75,7 +75,11 @@ class RolloutSection(_Section):
     top_k: int = Field(-1, description="top-k filter; <= 0 disables it")
     session_version: str = Field("v1", description="session-server version for the agentic path")
     max_turns: int = Field(1, ge=1, description="assistant turns per agentic episode")
-    concurrency: int = Field(64, ge=1, description="episodes in flight at once (agentic path)")
+    concurrency: int | None = Field(
+        None, ge=1,
+        description="episodes in flight at once (agentic path), in groups of this many; unset: a step's episodes all "
+        "at once (over HTTP, at most 64 connections)",
+    )
 
 
 class RewardSection(_Section):

@@ -23,17 +23,19 @@ the run after the step in flight like any stop (checkpoint, plot, summary with `
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_json_atomic
+from miles_core.gc_pause import gc_paused
 from miles_core.hardware.activation import activate
 from miles_core.plugins import MilesPluginManager
 from miles_core.rl import preflight, registry
@@ -160,12 +162,17 @@ class _Span:
 class StopRequest:
     """Ctrl-C while the loop runs (main thread only): the first SIGINT asks the loop to stop after
     the step in flight -- the run then ends as at any stop, with a checkpoint of that step, the
-    plot and ``summary.json`` (``interrupted: true``); a second raises KeyboardInterrupt."""
+    plot and ``summary.json`` (``interrupted: true``); a second raises KeyboardInterrupt.
+
+    While the runtime closes (:meth:`closing`), a Ctrl-C waits for the close to finish and is
+    raised then; only another one interrupts the close itself."""
 
     def __init__(self) -> None:
         self.requested = False
         self.on_request: Callable[[], None] | None = None
         self._previous: Any = None
+        self._closing = False
+        self._deferred = False
 
     def __enter__(self) -> StopRequest:
         in_main = threading.current_thread() is threading.main_thread()
@@ -174,7 +181,10 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
+        if self._closing and not self._deferred:
+            self._deferred = True
+            return
+        if self.requested or self._closing:
             raise KeyboardInterrupt
         self.requested = True
         if self.on_request is not None:
@@ -183,6 +193,21 @@ class StopRequest:
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        """Close the runtime: a KeyboardInterrupt raised inside a close cuts it short at any line
+        -- an event loop left half closed, the closers after it skipped (their native threads
+        then abort the interpreter at exit: "terminate called without an active exception"), an
+        "Exception ignored" from a weakref callback -- so a Ctrl-C now is raised after it. Not
+        when the close ends by an exception: that one goes on."""
+        self._closing = True
+        try:
+            yield
+        finally:
+            self._closing = False
+        if self._deferred:
+            raise KeyboardInterrupt
 
 
 def evaluate(runtime: Runtime, prompts: Sequence[Prompt]) -> float:
@@ -221,32 +246,36 @@ def train(
     process's start, so the progress bar and the summary include start-up); default: now.
     """
     started = time.perf_counter() if started is None else started
-    run_dir = preflight.check(config, pm, resume=resume)
-    checkpoint = _resume_point(run_dir.path, config) if resume else None
-    out_dir = run_dir.create()
-    config = config.model_copy(update={"run": config.run.model_copy(update={"out_dir": str(out_dir)})})
-    try:
-        metrics = MetricsLog(out_dir / "metrics.jsonl")
-        parts = resolve_parts(config, pm)
-        trackers = registry.trackers(pm, config)
-        if build is None:
-            build = registry.orchestrator(pm, config).build
-        runtime = build(config, pm, parts)
-    except BaseException:
-        run_dir.discard()
-        raise
-    failed = True
-    try:
-        with StopRequest() as stop:
-            result = _run(config, runtime, metrics, trackers, checkpoint, started, stop)
-        failed = False
-        return result
-    finally:
+    # start-up (verification, models, engine, sandbox) builds what the run keeps; the in-process
+    # build collects once and freezes it (runtime.freeze_startup_heap) before collection resumes
+    with gc_paused():
+        run_dir = preflight.check(config, pm, resume=resume)
+        checkpoint = _resume_point(run_dir.path, config) if resume else None
+        out_dir = run_dir.create()
+        config = config.model_copy(update={"run": config.run.model_copy(update={"out_dir": str(out_dir)})})
         try:
-            runtime.close()
+            metrics = MetricsLog(out_dir / "metrics.jsonl")
+            parts = resolve_parts(config, pm)
+            trackers = registry.trackers(pm, config)
+            if build is None:
+                build = registry.orchestrator(pm, config).build
+            runtime = build(config, pm, parts)
+        except BaseException:
+            run_dir.discard()
+            raise
+    failed = True
+    with StopRequest() as stop:
+        try:
+            result = _run(config, runtime, metrics, trackers, checkpoint, started, stop)
+            failed = False
+            return result
         finally:
-            if failed and not metrics.read():  # a run that failed before its first step leaves nothing
-                run_dir.discard()
+            with stop.closing():
+                try:
+                    runtime.close()
+                finally:
+                    if failed and not metrics.read():  # a run that failed before its first step leaves nothing
+                        run_dir.discard()
 
 
 def _checkpoint(config: TrainConfig, runtime: Runtime, sampler: PromptSampler, step: int, version: str) -> int:

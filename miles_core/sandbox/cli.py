@@ -218,7 +218,7 @@ def probe_cmd(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
-    help="Kill the command after this many seconds (exit 124).",
+    help="Kill the command this many seconds after it started (exit 124); set-up is not counted.",
 )
 @click.option(
     "--ttl",

@@ -10,10 +10,16 @@
 
 Both raise :class:`SessionCallError` carrying the HTTP status the call got (or would have got).
 They belong to the event loop that first uses them.
+
+Besides one call per session (``create``, ``chat``, ``samples``, ``delete``), both take a batch of
+sessions in one call per phase (``create_many``, ``chat_many``, ``samples_many``,
+``delete_many``): in this process one call into the service (one engine submission for a
+batch of turns); over HTTP concurrent requests, one per session.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.errors import MilesError
+from miles_core.frozen import quick_init
 from miles_core.session.errors import SessionError, SessionNotFound
 from miles_core.session.trajectory import Sample, SampleOptions
 
@@ -39,6 +46,7 @@ class SessionCallError(MilesError):
         self.status = status
 
 
+@quick_init
 @dataclass(frozen=True)
 class ChatTurn:
     """What an agent needs from a chat reply."""
@@ -55,6 +63,23 @@ class SessionClient(Protocol):
     async def samples(self, session_id: str) -> list[Sample]: ...
 
     async def delete(self, session_id: str) -> None: ...
+
+    async def create_many(self, n: int) -> list[str]:
+        """``n`` new sessions (none left open when it raises)."""
+        ...
+
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
+        """One turn per ``(session_id, body)``, each as :meth:`chat` answers it: its
+        :class:`SessionCallError` in its place when it fails (the others go on)."""
+        ...
+
+    async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:
+        """:meth:`samples` of each session."""
+        ...
+
+    async def delete_many(self, session_ids: Sequence[str]) -> None:
+        """:meth:`delete` of each session (those already gone are fine)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -79,8 +104,7 @@ class LocalSessions:
         """Sessions of ``version`` over the embedded ``engine`` called in-process; prompts are
         rendered with the tokenizer and chat template in ``tokenizer_dir``."""
         from miles_core.session.config import ServiceLimits
-        from miles_core.session.server import activate_version
-        from miles_core.session.service import SessionService
+        from miles_core.session.service import SessionService, activate_version
         from miles_core.session.tokenizer import ChatTokenizer
         from miles_core.session.upstream import EngineUpstream
 
@@ -115,6 +139,32 @@ class LocalSessions:
         except SessionNotFound:
             return
 
+    async def create_many(self, n: int) -> list[str]:
+        try:
+            return self.service.create_many(n)
+        except SessionError as exc:
+            raise _failed("POST /sessions", exc) from None
+
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
+        """The turns as one :meth:`~miles_core.session.service.SessionService.chat_many`."""
+        out: list[ChatTurn | SessionCallError] = []
+        for (session_id, _), outcome in zip(turns, await self.service.chat_many(turns), strict=True):
+            if isinstance(outcome, SessionError):
+                out.append(_failed(f"POST /sessions/{session_id}/v1/chat/completions", outcome))
+            else:
+                completion = outcome.completion
+                out.append(ChatTurn(completion.message, completion.finish_reason))
+        return out
+
+    async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:
+        try:
+            return [batch.samples for batch in self.service.samples_many(session_ids, SampleOptions())]
+        except SessionError as exc:
+            raise _failed("POST /sessions/{id}/samples", exc) from None
+
+    async def delete_many(self, session_ids: Sequence[str]) -> None:
+        await self.service.delete_many(session_ids, missing_ok=True)
+
     async def aclose(self) -> None:
         await self.service.upstream.aclose()
 
@@ -147,6 +197,29 @@ class HTTPSessions:
 
     async def delete(self, session_id: str) -> None:
         await self._call("DELETE", f"/sessions/{session_id}", None, ok=(204, 404))
+
+    async def create_many(self, n: int) -> list[str]:
+        created = await asyncio.gather(*(self.create() for _ in range(n)), return_exceptions=True)
+        failed = [result for result in created if isinstance(result, BaseException)]
+        if failed:  # none left open
+            await self.delete_many([result for result in created if isinstance(result, str)])
+            raise failed[0]
+        return created  # type: ignore[return-value]  # all str: no failure
+
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
+        async def one(session_id: str, body: dict[str, Any]) -> ChatTurn | SessionCallError:
+            try:
+                return await self.chat(session_id, body)
+            except SessionCallError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(session_id, body) for session_id, body in turns)))
+
+    async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:
+        return list(await asyncio.gather(*map(self.samples, session_ids)))
+
+    async def delete_many(self, session_ids: Sequence[str]) -> None:
+        await asyncio.gather(*map(self.delete, session_ids))
 
     async def aclose(self) -> None:
         await self._pool.aclose()

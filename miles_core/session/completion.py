@@ -24,9 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
+from miles_core.frozen import quick_init
 from miles_core.session.errors import UpstreamFailure
 from miles_core.session.messages import Message
 
@@ -34,6 +36,7 @@ from miles_core.session.messages import Message
 REPLAY_META_FIELDS = ("routed_experts", "indexer_topk")
 
 
+@quick_init
 @dataclass(frozen=True)
 class Completion:
     """One generated assistant turn, as sampled."""
@@ -88,6 +91,19 @@ def make_completion(
 ) -> Completion:
     """A :class:`Completion` from an engine's answer, after the rules every upstream is held to
     (module docstring; token ids and log-probs already checked: :func:`check_sampled`)."""
+    return Completion(
+        checked_message(message, bool(token_ids), finish_reason),
+        tuple(token_ids),
+        tuple(logprobs),
+        finish_reason,
+        None if weight_version is None else str(weight_version),
+    )
+
+
+def checked_message(message: Mapping[str, Any], sampled: bool, finish_reason: Any) -> Message:
+    """The assistant message of a completion (``sampled``: it has tokens), checked against the
+    module docstring's rules: what :func:`make_completion` records, which depends on nothing
+    else."""
     content = message.get("content")
     tool_calls = message.get("tool_calls")
     if content is None and not tool_calls:
@@ -98,7 +114,7 @@ def make_completion(
         raise _bad("choices[0].message.tool_calls is not a list of {function: {name, arguments}} objects")
     if finish_reason is not None and not isinstance(finish_reason, str):
         raise _bad("choices[0].finish_reason is not a string")
-    if not token_ids and (finish_reason != "length" or content or tool_calls):
+    if not sampled and (finish_reason != "length" or content or tool_calls):
         raise _bad(
             "empty completion: no tokens, but "
             + (
@@ -111,13 +127,7 @@ def make_completion(
     for name in ("tool_calls", "reasoning_content"):
         if message.get(name) is not None:
             assistant[name] = message[name]
-    return Completion(
-        message=assistant,
-        token_ids=tuple(token_ids),
-        logprobs=tuple(logprobs),
-        finish_reason=finish_reason,
-        weight_version=None if weight_version is None else str(weight_version),
-    )
+    return assistant
 
 
 def check_sampled(token_ids: Sequence[int], logprobs: Sequence[float], vocab_size: int) -> None:
@@ -127,6 +137,16 @@ def check_sampled(token_ids: Sequence[int], logprobs: Sequence[float], vocab_siz
         raise _bad(f"the engine returned {len(token_ids)} token ids but {len(logprobs)} log-probs")
     if token_ids and not _plausible(token_ids, logprobs, vocab_size):
         _split_pairs([[logprob, token_id] for logprob, token_id in zip(logprobs, token_ids)], vocab_size)
+
+
+def sampled_plausibly(token_ids: Sequence[Sequence[Any]], logprobs: Sequence[Sequence[Any]], vocab_size: int) -> bool:
+    """Whether every completion of a batch (``token_ids[i]``, ``logprobs[i]``) passes
+    :func:`check_sampled`, in a few passes over all of them: ``False`` leaves it to
+    :func:`check_sampled` to name what fails."""
+    if list(map(len, token_ids)) != list(map(len, logprobs)):
+        return False
+    ids, values = list(chain.from_iterable(token_ids)), list(chain.from_iterable(logprobs))
+    return not ids or _plausible(ids, values, vocab_size)
 
 
 def _plausible(token_ids: Sequence[Any], logprobs: Sequence[Any], vocab_size: int) -> bool:

@@ -39,7 +39,11 @@ class LinearStore:
         self._revision = 0
 
     def plan(self, request: ChatRequest, tokenizer: PromptTokenizer) -> Plan:
-        path = self._head.chain() if self._head else []
+        if self._head is None:  # a new session: its first turn is a root
+            if self.max_turns < 1:
+                raise Conflict(f"session reached max_turns={self.max_turns}")
+            return plan_turn(request, None, tokenizer, revision=self._revision)
+        path = self._head.chain()
         attach = deepest_match(
             request.keys, path[:1], lambda turn: path[turn.depth : turn.depth + 1]
         )

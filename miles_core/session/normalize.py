@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles_core import strict_json
 from miles_core.caching import BoundedCache, exact_json_key
+from miles_core.frozen import quick_init
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.messages import Message, MessageKey, canonical_message, message_key
 from miles_core.session.trajectory import SERVER_METADATA_KEYS, SampleOptions
@@ -89,6 +90,7 @@ class _SamplesBody(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
+@quick_init
 @dataclass(frozen=True)
 class ChatRequest:
     """A validated chat request, split by who consumes each part."""
@@ -102,8 +104,12 @@ class ChatRequest:
     forward: dict[str, Any]  # the client body minus transport fields, as sent
     #: leading messages that repeated the session's :class:`History` (not validated again)
     repeated: int = field(default=0, compare=False)
+    #: the request of the same :func:`normalize_chat_objects` call whose body this one's repeats
+    #: but for its ``seed`` (the very same objects under every other field), or ``None``
+    variant_of: ChatRequest | None = field(default=None, compare=False, repr=False)
 
 
+@quick_init
 @dataclass(frozen=True)
 class History:
     """The conversation a session last saw, validated: the messages of its last committed request
@@ -233,6 +239,52 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
         forward={k: v for k, v in raw.items() if k not in TRANSPORT_FIELDS},
         repeated=repeated,
     )
+
+
+def normalize_chat_objects(
+    raws: Sequence[dict[str, Any]], histories: Sequence[History | None]
+) -> list[ChatRequest | InvalidRequest]:
+    """:func:`normalize_chat_object` of each body with its session's history, each result or
+    error in its place. A body that repeats the one before it but for its ``seed`` -- the very
+    same objects under every other field, and the same history: the sessions of a GRPO group,
+    sent one after another -- reuses that one's validation (nothing here reads the seed: it is
+    forwarded as sent, for the engine to check) and names its request as
+    :attr:`ChatRequest.variant_of`."""
+    out: list[ChatRequest | InvalidRequest] = []
+    first: ChatRequest | None = None  # the request the previous body was validated into
+    previous: dict[str, Any] = {}
+    previous_history: History | None = None
+    for raw, history in zip(raws, histories, strict=True):
+        if first is not None and history is previous_history and _varies_only_in_seed(raw, previous):
+            forward = raw.copy()
+            for name in TRANSPORT_FIELDS:
+                forward.pop(name, None)
+            out.append(ChatRequest(first.messages, first.keys, first.tools, first.template_kwargs, first.stream,
+                                   first.include_usage, forward, first.repeated, first))
+            continue
+        try:
+            request = normalize_chat_object(raw, history)
+        except InvalidRequest as exc:
+            out.append(exc)
+            first = None
+            continue
+        out.append(request)
+        first, previous, previous_history = request, raw, history
+    return out
+
+
+def _varies_only_in_seed(raw: Any, previous: dict[str, Any]) -> bool:
+    """Whether ``raw`` holds the very objects ``previous`` holds under every field but ``seed``."""
+    if type(raw) is not dict or len(raw) != len(previous) or ("seed" in raw) != ("seed" in previous):
+        return False
+    get = previous.get
+    for name, value in raw.items():  # noqa: SIM110  (a loop: all() over a generator costs twice as much here)
+        if value is not get(name, _ABSENT) and name != "seed":
+            return False
+    return True
+
+
+_ABSENT = object()
 
 
 def normalize_samples_request(body: bytes) -> SampleOptions:

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_core.engine.client import ASGIApp, EngineClient
-from miles_core.plugins import MilesPluginManager, get_plugin_manager
+from miles_core.plugins import MilesPluginManager
 from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
 from miles_core.session.errors import MethodNotAllowed, PayloadTooLarge, RouteNotFound, SessionError, bounded
-from miles_core.session.service import SessionService
+from miles_core.session.service import SessionService, activate_version
 from miles_core.session.upstream import HTTPUpstream, Upstream
 from miles_core.strict_json import dumps
 
@@ -46,14 +46,6 @@ JSON = b"application/json"
 #: 32k tokens take ~1 ms (benchmarks/session_overhead.py), and for the short episodes of RL
 #: rollouts the hand-off to a worker thread and back cost more than the work
 INLINE_SAMPLES_TOKENS = 8192
-
-
-def activate_version(name: str, pm: MilesPluginManager | None = None) -> SessionVersion:
-    """The registered session version ``name``, verified (fails closed, naming the plugin)."""
-    pm = pm or get_plugin_manager()
-    contribution = pm.contribution("session", name)
-    pm.verify(contribution, contribution.obj.verify)
-    return contribution.obj
 
 
 def build_app(

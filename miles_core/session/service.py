@@ -8,39 +8,67 @@ One chat turn::
 The transports differ only at the two ends: the HTTP server (:mod:`.server`) hands in request
 bytes (:meth:`SessionService.chat`) and an in-process caller a parsed body
 (:meth:`SessionService.chat_object`); the upstream is an engine over HTTP or the embedded engine
-in this process (:mod:`.upstream`). Everything before ``commit`` is free of side effects, so a
-request that is rejected or fails upstream leaves the session byte-identical. Between the
-``await`` on the engine and the commit nothing else runs on the event loop, so stores need no
-locks; a version's ``max_in_flight`` bounds concurrent generations per session (409 beyond it,
-never a silent drop).
+in this process (:mod:`.upstream`). An in-process caller that drives many sessions in step (the
+agentic rollout of ``miles train``: a GRPO batch) makes one call per phase instead of one per
+session -- :meth:`~SessionService.create_many`, :meth:`~SessionService.chat_many`,
+:meth:`~SessionService.samples_many`, :meth:`~SessionService.delete_many` -- each session's turn
+going through the same pipeline, failing alone, and the turns reaching the upstream as one batch.
+
+Everything before ``commit`` is free of side effects, so a request that is rejected or fails
+upstream leaves the session byte-identical. Between the ``await`` on the engine and the commit
+nothing else runs on the event loop, so stores need no locks; a version's ``max_in_flight``
+bounds concurrent generations per session (409 beyond it, never a silent drop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from miles_core.frozen import quick_init
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
 from miles_core.session.completion import Completion
 from miles_core.session.config import ServiceLimits
-from miles_core.session.errors import Conflict, InvalidRequest, SessionNotFound
+from miles_core.session.errors import Conflict, InvalidRequest, SessionError, SessionNotFound
 from miles_core.session.normalize import (
     ChatRequest,
     History,
     normalize_chat_object,
+    normalize_chat_objects,
     normalize_chat_request,
     normalize_samples_request,
     parse_json_object,
 )
 from miles_core.session.trajectory import SampleBatch, SampleOptions
-from miles_core.session.upstream import Upstream, upstream_error
+from miles_core.session.upstream import Generation, Upstream, UpstreamCall, upstream_error
 
-__all__ = ["ChatOutcome", "Session", "SessionService", "upstream_error"]
+if TYPE_CHECKING:
+    from miles_core.plugins import MilesPluginManager
+    from miles_core.session.families import TemplateFamily
+    from miles_core.session.messages import Message, MessageKey
+    from miles_core.session.tokenizer import Appended
+    from miles_core.session.trajectory import Plan
+
+__all__ = ["ChatOutcome", "Session", "SessionService", "activate_version", "upstream_error"]
 
 
+def activate_version(name: str, pm: MilesPluginManager | None = None) -> SessionVersion:
+    """The registered session version ``name``, verified (fails closed, naming the plugin).
+
+    Here, not in :mod:`.server`: sessions served in this process (``LocalSessions``) activate
+    a version too, and must not import the HTTP transport to do it."""
+    from miles_core.plugins import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    contribution = pm.contribution("session", name)
+    pm.verify(contribution, contribution.obj.verify)
+    return contribution.obj
+
+
+@quick_init
 @dataclass(frozen=True, eq=False)
 class ChatOutcome:
     completion: Completion  # the generated turn as committed
@@ -52,6 +80,12 @@ class ChatOutcome:
     def reply(self) -> dict[str, Any]:
         """What an HTTP agent receives (replay data stripped)."""
         return self._reply()
+
+
+def new_session_ids(n: int) -> list[str]:
+    """``n`` session ids: 128 random bits each, as 32 hex digits (one system call for all)."""
+    digits = os.urandom(16 * n).hex()
+    return [digits[i : i + 32] for i in range(0, 32 * n, 32)]
 
 
 class Session:
@@ -115,7 +149,7 @@ class SessionService:
         self.tokenizer = tokenizer
         self.upstream = upstream
         self.limits = limits or ServiceLimits()
-        self.instance_id = uuid.uuid4().hex
+        self.instance_id = new_session_ids(1)[0]
         self._sessions: dict[str, Session] = {}
 
     def health(self) -> dict[str, Any]:
@@ -129,11 +163,21 @@ class SessionService:
     def create(self, body: bytes = b"") -> str:
         if parse_json_object(body):
             raise InvalidRequest("POST /sessions takes no fields; send an empty body or {}")
-        if len(self._sessions) >= self.limits.max_sessions:
-            raise Conflict(f"the server holds max_sessions={self.limits.max_sessions} sessions; delete finished ones")
-        session_id = uuid.uuid4().hex
-        self._sessions[session_id] = Session(session_id, self.version.create_store(max_turns=self.limits.max_turns))
-        return session_id
+        return self.create_many(1)[0]
+
+    def create_many(self, n: int) -> list[str]:
+        """``n`` new sessions, or none when they would not all fit (409)."""
+        if len(self._sessions) + n > self.limits.max_sessions:
+            raise Conflict(
+                f"the server holds max_sessions={self.limits.max_sessions} sessions"
+                + (f" and cannot open {n} more" if n > 1 else "")
+                + "; delete finished ones"
+            )
+        create_store, max_turns, sessions = self.version.create_store, self.limits.max_turns, self._sessions
+        ids = new_session_ids(n)
+        for session_id in ids:
+            sessions[session_id] = Session(session_id, create_store(max_turns=max_turns))
+        return ids
 
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -154,10 +198,22 @@ class SessionService:
 
     async def delete(self, session_id: str) -> None:
         """Refuse new turns, let in-flight ones finish and record, then forget the session."""
-        session = self.get(session_id)
-        session.closing = True
-        await session.wait_idle()
-        self._sessions.pop(session_id, None)
+        await self.delete_many([session_id])
+
+    async def delete_many(self, session_ids: Sequence[str], *, missing_ok: bool = False) -> None:
+        """:meth:`delete` for each session; an unknown one raises 404 before any is touched
+        (``missing_ok``: it is skipped, as a session already deleted)."""
+        sessions = self._sessions
+        if missing_ok:
+            found = [session for session in map(sessions.get, session_ids) if session is not None]
+        else:
+            found = [self.get(session_id) for session_id in session_ids]
+        for session in found:
+            session.closing = True
+        for session in found:
+            if session.in_flight:
+                await session.wait_idle()
+            sessions.pop(session.id, None)
 
     async def chat(self, session_id: str, body: bytes) -> ChatOutcome:
         """One turn from a request body (JSON bytes, as an HTTP agent sends it)."""
@@ -170,21 +226,90 @@ class SessionService:
         session = self.get(session_id)
         return await self._turn(session, normalize_chat_object(body, session.history))
 
-    async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:
-        session.begin_generation(self.version.max_in_flight)
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatOutcome | SessionError]:
+        """One turn in each of many sessions, from parsed bodies (an agent in this process driving
+        a batch of sessions in step), in one call: each turn is validated, planned and committed
+        as :meth:`chat_object` does it and fails alone -- its error in its place, its session
+        unchanged -- and the turns that pass reach the upstream together
+        (:meth:`~miles_core.session.upstream.Upstream.generate_many`). A body that repeats the
+        one before it but for its ``seed`` (a GRPO group's, one after another) is not validated
+        again, nor is its conversation rendered again."""
+        results: list[ChatOutcome | SessionError | None] = [None] * len(turns)
+        sessions = [self._sessions.get(session_id) for session_id, _ in turns]
+        requests = normalize_chat_objects(
+            [body for _, body in turns], [None if session is None else session.history for session in sessions]
+        )
+        tokenizer = _SharedRenders(self.tokenizer)
+        pending: list[tuple[int, _Pending]] = []
+        calls: list[UpstreamCall] = []
         try:
-            plan = session.store.plan(request, self.tokenizer)
-            messages, keys, repeated = request.messages, request.keys, request.repeated
-            stream, include_usage = request.stream, request.include_usage
-            call = self.upstream.generate(request, plan.prompt_ids, routing_key=session.id)
+            for index, (session, request) in enumerate(zip(sessions, requests)):
+                if session is None:
+                    results[index] = SessionNotFound(f"no session {turns[index][0][:64]!r}")
+                elif isinstance(request, SessionError):
+                    results[index] = request
+                else:
+                    try:
+                        started = self._start(session, request, tokenizer)
+                    except SessionError as exc:
+                        results[index] = exc
+                        continue
+                    pending.append((index, started))
+                    calls.append((request, started.plan.prompt_ids, session.id))
+            del requests, tokenizer
+            generations = await self.upstream.generate_many(calls) if calls else []
+        except BaseException:
+            for _, started in pending:
+                started.session.end_generation()
+            raise
+        committing = iter(zip(pending, generations, strict=True))
+        try:
+            for (index, started), generation in committing:
+                if isinstance(generation, SessionError):
+                    started.session.end_generation()
+                    results[index] = generation
+                    continue
+                try:
+                    results[index] = self._commit(started, generation)
+                except SessionError as exc:
+                    results[index] = exc
+        finally:  # after an unexpected error, the turns not reached give their slots back
+            for (_, started), _ in committing:
+                started.session.end_generation()
+        return results  # type: ignore[return-value]  # every index was filled above
+
+    async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:
+        started = self._start(session, request, self.tokenizer)
+        try:
+            call = self.upstream.generate(request, started.plan.prompt_ids, routing_key=session.id)
             del request  # the upstream drops the parsed body once it has what it needs
             generation = await call
-            turn = session.store.commit(plan, generation.completion, generation.record)
+        except BaseException:
+            session.end_generation()
+            raise
+        return self._commit(started, generation)
+
+    def _start(self, session: Session, request: ChatRequest, tokenizer: PromptTokenizer) -> _Pending:
+        """Take a generation slot and plan the turn (the slot is given back if planning fails)."""
+        session.begin_generation(self.version.max_in_flight)
+        try:
+            plan = session.store.plan(request, tokenizer)
+        except BaseException:
+            session.end_generation()
+            raise
+        return _Pending(session, plan, request.messages, request.keys, request.repeated, request.stream,
+                        request.include_usage)
+
+    def _commit(self, started: _Pending, generation: Generation) -> ChatOutcome:
+        """Record the generated turn and give the generation slot back."""
+        session = started.session
+        try:
+            turn = session.store.commit(started.plan, generation.completion, generation.record)
             session.committed_tokens += len(turn.token_ids)
-            session.committed(messages, keys, generation.completion.message, repeated)
+            session.committed(started.messages, started.keys, generation.completion.message, started.repeated)
         finally:
             session.end_generation()
-        return ChatOutcome(generation.completion, stream, include_usage, generation.reply)
+        return ChatOutcome(generation.completion, started.stream, started.include_usage, generation.reply)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:
         """Validate a samples request; assembling (``assemble``) may then run off the event loop."""
@@ -194,6 +319,62 @@ class SessionService:
         """The session's training samples, typed (an in-process caller)."""
         return self.get(session_id).store.samples(options or SampleOptions())
 
+    def samples_many(self, session_ids: Sequence[str], options: SampleOptions | None = None) -> list[SampleBatch]:
+        """:meth:`samples` of each session; an unknown one raises 404 before any is assembled."""
+        stores = [self.get(session_id).store for session_id in session_ids]
+        options = options or SampleOptions()
+        return [store.samples(options) for store in stores]
+
     def assemble(self, session: Session, options: SampleOptions) -> dict[str, Any]:
         batch = session.store.samples(options).to_dict()
         return {"session_id": session.id, "version": self.version.name, **batch}
+
+
+class _Pending:
+    """A planned turn waiting for its generation: what its commit needs of the request."""
+
+    __slots__ = ("include_usage", "keys", "messages", "plan", "repeated", "session", "stream")
+
+    def __init__(self, session: Session, plan: Plan, messages: tuple[Message, ...], keys: tuple[MessageKey, ...],
+                 repeated: int, stream: bool, include_usage: bool) -> None:
+        self.session = session
+        self.plan = plan
+        self.messages = messages
+        self.keys = keys
+        self.repeated = repeated
+        self.stream = stream
+        self.include_usage = include_usage
+
+
+class _SharedRenders:
+    """The service's tokenizer for one :meth:`SessionService.chat_many` call: a conversation
+    rendered for one session is reused for the next that sends the very same objects (the
+    sessions of a GRPO group, one after another, whose requests share their canonical messages;
+    one call is one moment, also for a template that reads the clock)."""
+
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.family: TemplateFamily = tokenizer.family
+        self.vocab_size = tokenizer.vocab_size
+        # the last rendering and its arguments (held: compared by identity)
+        self._last: tuple[Any, Any, Any, tuple[int, ...]] | None = None
+
+    def render_prompt(
+        self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any]
+    ) -> tuple[int, ...]:
+        last = self._last
+        if last is not None and messages is last[0] and tools is last[1] and template_kwargs is last[2]:
+            return last[3]
+        ids = self._tokenizer.render_prompt(messages, tools=tools, template_kwargs=template_kwargs)
+        self._last = (messages, tools, template_kwargs, ids)
+        return ids
+
+    def render_append(
+        self,
+        completion_ids: Sequence[int],
+        messages: Sequence[Message],
+        *,
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any],
+    ) -> Appended:
+        return self._tokenizer.render_append(completion_ids, messages, tools=tools, template_kwargs=template_kwargs)

@@ -21,6 +21,7 @@ from typing import Any
 from miles_core.caching import BoundedCache, exact_json_key
 from miles_core.chat_template import ChatTemplate
 from miles_core.errors import ConfigError
+from miles_core.frozen import quick_init
 from miles_core.session.errors import InvalidRequest
 from miles_core.session.families import TemplateFamily, detect_family, family_named
 from miles_core.session.messages import Message
@@ -37,6 +38,7 @@ DUMMY_HISTORY: tuple[Message, ...] = (
 DUMMY_CACHE_ENTRIES = 256
 
 
+@quick_init
 @dataclass(frozen=True)
 class Appended:
     """Tokens that follow a generated turn: drop ``trim`` trailing completion tokens, add ``ids``."""

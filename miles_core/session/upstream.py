@@ -14,7 +14,8 @@ commits, the record of the call, and the reply the agent receives. Two implement
   rules (:func:`make_completion`, :func:`check_sampled`); no JSON is written unless someone asks
   for the record or the reply (``GET /sessions/{id}``, an HTTP agent). Requests handed over in
   one event-loop iteration reach the engine together (``submit_many``), as a batched
-  ``generate`` would send them.
+  ``generate`` would send them; a batch of turns handed over as one
+  (:meth:`Upstream.generate_many`) is one ``submit_batch`` and one wake-up when it is done.
 
 Both raise the same :class:`~miles_core.session.errors.SessionError` types: 400 for a request the
 engine refuses, 502 for an engine that fails or breaks its contract.
@@ -33,15 +34,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core import strict_json
 from miles_core.caching import BoundedCache, exact_json_key
-from miles_core.engine.client import EngineClient, EngineError, EngineHTTPError
+from miles_core.engine.errors import EngineError, EngineHTTPError
+from miles_core.frozen import quick_init
 from miles_core.session.completion import (
     Completion,
     check_sampled,
+    checked_message,
     client_reply,
     extract_completion,
     make_completion,
+    sampled_plausibly,
 )
 from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFailure
+from miles_core.session.messages import Message
 from miles_core.session.normalize import ChatRequest, upstream_body
 from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
 
@@ -53,9 +58,11 @@ DELIVERY_WINDOW_S = 0.05
 
 if TYPE_CHECKING:
     from miles_core.engine import base as engine_base
+    from miles_core.engine.client import EngineClient
     from miles_core.engine.engine import Engine
 
 
+@quick_init
 @dataclass(frozen=True, eq=False)
 class Generation:
     """One engine call: what the store commits, what it records, what the agent receives."""
@@ -66,8 +73,17 @@ class Generation:
     reply: Callable[[], dict[str, Any]]
 
 
+#: one turn for :meth:`Upstream.generate_many`: the request, its planned prompt ids, its routing key
+UpstreamCall = tuple[ChatRequest, Sequence[int], str]
+
+
 class Upstream(Protocol):
     async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation: ...
+
+    async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
+        """Each call as :meth:`generate` would answer it, its failure (a
+        :class:`~miles_core.session.errors.SessionError`) in its place."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -96,6 +112,17 @@ class HTTPUpstream:
         completion = extract_completion(reply, vocab_size=self.vocab_size)
         answer = client_reply(reply, logprobs=asked_logprobs)
         return Generation(completion, TurnRecord(sent, received, started, time.time()), lambda: answer)
+
+    async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
+        """The calls as concurrent requests (the engine client's pool bounds them)."""
+
+        async def one(request: ChatRequest, prompt_ids: Sequence[int], routing_key: str) -> Generation | SessionError:
+            try:
+                return await self.generate(request, prompt_ids, routing_key=routing_key)
+            except SessionError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(*call) for call in calls)))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -127,12 +154,11 @@ class EngineUpstream:
         default_max_tokens: int | None = None,
     ) -> None:
         from miles_core.engine import protocol
-        from miles_core.engine.server import DEFAULT_MAX_TOKENS
 
         self.engine = engine
         self.vocab_size = vocab_size
         self.timeout = timeout
-        self.default_max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
+        self.default_max_tokens = protocol.DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
         self._protocol = protocol
         self._decoder = _Decoder(tokenizer if tokenizer is not None else copy.deepcopy(engine.tokenizer))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,8 +184,90 @@ class EngineUpstream:
         message, finish_reason = assistant
         check_sampled(done.token_ids, done.logprobs, self.vocab_size)
         completion = make_completion(message, done.token_ids, done.logprobs, finish_reason, done.weight_version)
-        render = _Exchange(request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, int(started))
-        return Generation(completion, DeferredRecord(render, started, time.time()), render.reply)
+        record = _Exchange(request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, started, time.time())
+        return Generation(completion, record, record.reply)
+
+    async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
+        """The calls' requests as one ``submit_batch``, awaited as one (a timeout or a cancelled
+        caller aborts the whole batch); each result held to the rules :meth:`generate` applies.
+
+        What a batch repeats is done once: a request that varies the one before it but for its
+        seed (:attr:`ChatRequest.variant_of`) reuses its validation and sampling parameters, the
+        token ids and log-probs of all completions are checked in one pass, and each distinct
+        completion of a request is parsed into its assistant message once."""
+        from miles_core.engine.base import GenerationRequest, InvalidRequestError
+
+        results: list[Generation | SessionError | None] = [None] * len(calls)
+        prepared: list[tuple[int, ChatRequest, tuple[int, ...], Any]] = []
+        requests: list[engine_base.GenerationRequest] = []
+        # the request last validated (the one its variants name), its prompt's length (what
+        # sampling reads), the validated request and its sampling parameters
+        last: tuple[ChatRequest, int, Any, engine_base.SamplingParams] | None = None
+        for index, (request, prompt_ids, _) in enumerate(calls):
+            prompt = tuple(prompt_ids)
+            seed = request.forward.get("seed")
+            if (last is not None and request.variant_of is last[0] and len(prompt) == last[1]
+                    and (seed is None or (type(seed) is int and 0 <= seed < 2**63))):
+                req, sampling = last[2], last[3].with_seed(seed)
+            else:
+                try:
+                    req, sampling = self._engine_request(request.forward, len(prompt))
+                except InvalidRequestError as exc:
+                    results[index] = InvalidRequest(f"the engine rejected the request: {exc}")
+                    last = None
+                    continue
+                last = (request.variant_of or request, len(prompt), req, sampling)
+            prepared.append((index, request, prompt, req))
+            requests.append(GenerationRequest(prompt, sampling, req.rid))
+        del last
+        started = time.time()
+        outcomes = await self._generate_batch(requests) if requests else []
+        finished = time.time()
+        sampled = [done for done in outcomes if not isinstance(done, BaseException)]
+        checked = sampled_plausibly([d.token_ids for d in sampled], [d.logprobs for d in sampled], self.vocab_size)
+        protocol, decoder, model = self._protocol, self._decoder, self.engine.name
+        # by the identity of the validated request and what its assistant message is made of
+        parsed: dict[tuple[Any, ...], tuple[tuple[dict[str, Any], str], Message, Any]] = {}
+        for (index, request, prompt, req), done in zip(prepared, outcomes, strict=True):
+            if isinstance(done, BaseException):
+                results[index] = done if isinstance(done, SessionError) else _engine_failure(done)
+                continue
+            token_ids, finish = done.token_ids, done.finish_reason
+            try:
+                if not checked:
+                    check_sampled(token_ids, done.logprobs, self.vocab_size)
+                key = (id(req), token_ids, finish, done.matched_stop)
+                entry = parsed.get(key)
+                if entry is None:
+                    assistant = protocol.assistant_message(req, done, decoder)
+                    message = checked_message(assistant[0], bool(token_ids), assistant[1])
+                    parsed[key] = (assistant, message, req)
+                else:  # each turn its own message, as if parsed for it (_Exchange copies the other)
+                    assistant, message = entry[0], dict(entry[1])
+            except SessionError as exc:
+                results[index] = exc
+                continue
+            version = done.weight_version
+            completion = Completion(message, token_ids, done.logprobs, assistant[1], None if version is None else str(version))
+            record = _Exchange(request.forward, prompt, req, done, assistant, decoder, model, started, finished)
+            results[index] = Generation(completion, record, record.reply)
+        return results  # type: ignore[return-value]  # every index was filled above
+
+    async def _generate_batch(self, requests: list[engine_base.GenerationRequest]) -> list[Any]:
+        """Each request's completion or error, from one ``submit_batch``."""
+        try:
+            future = self.engine.submit_batch(requests)
+        except RuntimeError as exc:  # the engine is closed or broken: every request fails
+            return [exc] * len(requests)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
+        except TimeoutError:
+            self.engine.abort(future)
+            failure = UpstreamFailure(f"EngineTimeoutError: the engine did not finish within {self.timeout:g} s")
+            return [failure] * len(requests)
+        except asyncio.CancelledError:
+            self.engine.abort(future)
+            raise
 
     async def aclose(self) -> None:
         return None
@@ -191,9 +299,7 @@ class EngineUpstream:
             return req, sampling
         # re-seeded without running the checks again: they passed on ``sampling``, and the seed is
         # a plain int in [0, 2**63) -- SamplingParams' own rule for it (key is None otherwise)
-        seeded = copy.copy(sampling)
-        object.__setattr__(seeded, "seed", seed)
-        return req, seeded
+        return req, sampling.with_seed(seed)
 
     def _sampling(self, req: Any, prompt_tokens: int) -> engine_base.SamplingParams:
         return self._protocol.sampling_params(
@@ -310,26 +416,33 @@ class _Batch:
     armed: bool = False  # a delivery of the results so far is scheduled
 
 
-class _Exchange:
+class _Exchange(DeferredRecord):
     """An in-process engine call as the JSON it would have been: the request the engine's HTTP
-    front would have received and its reply, built on the first call and kept."""
+    front would have received and its reply, built when first read and kept."""
+
+    __slots__ = ("_json", "_parts")
 
     def __init__(self, forward: dict[str, Any], prompt: tuple[int, ...], req: Any, done: Any,
-                 assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, created: int) -> None:
-        self._parts = (forward, prompt, req, done, assistant, decoder, model, created)
+                 assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, started: float,
+                 finished: float) -> None:
+        self.started_at = started
+        self.finished_at = finished
+        self._parts = (forward, prompt, req, done, assistant, decoder, model)
         self._json: tuple[dict[str, Any], dict[str, Any]] | None = None
 
-    def __call__(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def render(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self._json is None:
             from miles_core.engine import protocol
 
-            forward, prompt, req, done, assistant, decoder, model, created = self._parts
-            response = protocol.chat_response(req, done, decoder, model=model, assistant=assistant, created=created)
+            forward, prompt, req, done, (message, finish_reason), decoder, model = self._parts
+            # the message may be shared with other turns of a batch (EngineUpstream.generate_many)
+            response = protocol.chat_response(req, done, decoder, model=model, assistant=(dict(message), finish_reason),
+                                              created=int(self.started_at))
             self._json = {**forward, "input_ids": list(prompt)}, response
         return self._json
 
     def reply(self) -> dict[str, Any]:
-        return client_reply(self()[1])
+        return client_reply(self.render()[1])
 
 
 class _Decoder:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from miles_core.session.base import TrajectoryStore
+if TYPE_CHECKING:
+    from miles_core.session.base import TrajectoryStore
+
+
+@functools.cache
+def _store_class(module: str, name: str) -> Any:
+    """A store class, imported when the first session starts (a session opens per episode)."""
+    return getattr(importlib.import_module(module), name)
 
 
 class ConformanceVerified:
@@ -26,9 +36,10 @@ class LinearVersion(ConformanceVerified):
     max_rollback: int = 1
 
     def create_store(self, *, max_turns: int) -> TrajectoryStore:
-        from miles_core.session.linear import LinearStore
-
-        return LinearStore(max_turns=max_turns, max_rollback=self.max_rollback)
+        store: TrajectoryStore = _store_class("miles_core.session.linear", "LinearStore")(
+            max_turns=max_turns, max_rollback=self.max_rollback
+        )
+        return store
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,5 @@ class TreeVersion(ConformanceVerified):
     max_in_flight: int | None = None
 
     def create_store(self, *, max_turns: int) -> TrajectoryStore:
-        from miles_core.session.tree import TreeStore
-
-        return TreeStore(max_turns=max_turns)
+        store: TrajectoryStore = _store_class("miles_core.session.tree", "TreeStore")(max_turns=max_turns)
+        return store

@@ -110,3 +110,45 @@ def test_a_distribution_gaining_entry_points_txt_invalidates(cache_dir, scans, t
     for path, mtime in mtimes.items():
         os.utime(path, ns=(mtime, mtime))
     assert [e.name for e in entry_points(group)] == ["late"]
+
+
+def test_an_unrelated_file_in_a_path_directory_keeps_the_cache(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    # `python -m miles_core` from a working directory puts it on sys.path, and runs write there
+    work_dir = tmp_path / "work"
+    work_dir.mkdir()
+    monkeypatch.setattr(sys, "path", [str(work_dir), *sys.path])
+    entry_points(GROUP)
+    (work_dir / "runs").mkdir()
+    (work_dir / "notes.txt").write_text("not a distribution")
+    os.utime(work_dir, ns=(0, os.stat(work_dir).st_mtime_ns + 1_000_000))
+    entry_points(GROUP)
+    assert scans == [GROUP]
+
+
+def test_a_new_distribution_without_entry_points_invalidates(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    # it holds no entry points, but a distribution of its name later on sys.path is now hidden
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    monkeypatch.setattr(sys, "path", [str(site_dir), *sys.path])
+    entry_points(GROUP)
+    dist_info = site_dir / "miles_rocm-9.9.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-rocm\nVersion: 9.9\n")
+    rescanned = entry_points(GROUP)
+    assert scans == [GROUP, GROUP]
+    assert "miles-rocm" not in {e.distribution for e in rescanned}  # what importlib.metadata says, cached
+    assert entry_points(GROUP) == rescanned and scans == [GROUP, GROUP]
+
+
+def test_two_sys_paths_keep_a_cache_each(cache_dir, scans, tmp_path, monkeypatch) -> None:
+    # `miles` (its bin directory first) and `python -m miles_core` (the working directory first)
+    first, second = tmp_path / "bin", tmp_path / "work"
+    first.mkdir()
+    second.mkdir()
+    base = list(sys.path)
+    for _ in range(2):
+        for front in (first, second):
+            monkeypatch.setattr(sys, "path", [str(front), *base])
+            entry_points(GROUP)
+    assert scans == [GROUP, GROUP]  # one scan per sys.path, then each is served from its cache
+    assert len(list((cache_dir / "entry-points").glob("*.json"))) == 2

@@ -263,3 +263,35 @@ def test_abort_frees_the_slot_of_a_running_request(engine: Engine) -> None:
     done = engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_tokens=2))])[0]
     engine.abort(engine.submit(GenerationRequest([4], SamplingParams(max_tokens=1))))  # harmless either way
     assert done.completion_tokens == 2
+
+
+def test_submit_batch_gives_what_generate_gives_and_refused_requests_fail_alone(engine: Engine) -> None:
+    requests = [GenerationRequest(p, _with_seed(SETTINGS[i % 4], seed=200 + i)) for i, p in enumerate(_prompts(9, seed=7))]
+    requests += [requests[0], requests[0]]  # a shared prompt: one prefill, as generate does
+    expected = engine.generate(requests)
+    outcomes = engine.submit_batch(requests).result(60)
+    strip = [(c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason, c.matched_stop, c.seed) for c in expected]
+    assert [(c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason, c.matched_stop, c.seed) for c in outcomes] == strip
+    refused = [requests[1], GenerationRequest([1] * 2000, SamplingParams(max_tokens=100)), requests[2],
+               GenerationRequest([], SamplingParams())]
+    mixed = engine.submit_batch(refused).result(60)
+    assert [c.token_ids for c in (mixed[0], mixed[2])] == [expected[1].token_ids, expected[2].token_ids]
+    assert [(type(e), e.field) for e in (mixed[1], mixed[3])] == [(InvalidRequestError, "max_tokens"),
+                                                                  (InvalidRequestError, "input_ids")]
+    nothing = engine.submit_batch([GenerationRequest([], SamplingParams())]).result(1)
+    assert isinstance(nothing[0], InvalidRequestError) and engine.submit_batch([]).result(1) == []
+
+
+def test_aborting_a_submitted_batch_stops_every_request_still_running(engine: Engine) -> None:
+    from miles_core.engine.engine import RequestAborted
+
+    quick = GenerationRequest([7, 8], SamplingParams(max_tokens=1, seed=1))
+    slow = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=1500, ignore_eos=True, seed=2))
+    future = engine.submit_batch([quick, slow, slow])
+    while engine.stats()["running"] < 2:
+        threading.Event().wait(0.001)
+    engine.abort(future)
+    done, *aborted = future.result(30)
+    assert done.completion_tokens == 1  # finished before the abort: left as it is
+    assert [type(e) for e in aborted] == [RequestAborted, RequestAborted]
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0

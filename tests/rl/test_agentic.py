@@ -163,3 +163,53 @@ def test_in_process_sessions_equal_a_session_server(tiny_engine):
             b.token_ids, b.loss_mask, b.completion, b.first_token, b.finish_reason, b.weight_version)
         assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
     assert len({t.token_ids for t in here}) > 1  # different seeds sampled different episodes
+
+
+def test_episodes_in_groups_equal_all_at_once(tiny_engine):
+    """``rollout.concurrency`` only groups the episodes (each group's phases one call each): seed
+    for seed the same episodes as the whole step at once, log-probs up to the float noise of
+    other batch shapes."""
+    from transformers import AutoTokenizer
+
+    from miles_core.rl.rollout.agentic import AgenticRollout
+    from miles_core.testing.rollout import PROMPTS, make_context
+
+    engine, directory = tiny_engine
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    batch = [p for p in PROMPTS for _ in range(3)]
+    runs = []
+    for concurrency in (None, 4):
+        context = make_context(engine=engine, tokenizer=tokenizer, model_dir=directory, concurrency=concurrency)
+        rollout = AgenticRollout.start(context)
+        try:
+            runs.append(rollout.run(batch, step=5, first_index=2))
+        finally:
+            rollout.close()
+            context.aio.close()
+    together, grouped = runs
+    assert len(together) == len(batch) and len({t.token_ids for t in together}) > 1
+    for a, b in zip(together, grouped, strict=True):
+        assert (a.prompt, a.token_ids, a.loss_mask, a.completion, a.first_token, a.turns, a.finish_reason) == (
+            b.prompt, b.token_ids, b.loss_mask, b.completion, b.first_token, b.turns, b.finish_reason)
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
+
+
+def test_young_collections_are_deferred_only_while_episodes_run():
+    import gc
+
+    from miles_core.rl.rollout.agentic import young_collections_deferred
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *before[1:])
+        with young_collections_deferred(9000):
+            assert gc.get_threshold() == (9000, *before[1:])
+        assert gc.get_threshold() == (700, *before[1:])
+        with pytest.raises(KeyError), young_collections_deferred(9000):
+            raise KeyError("an episode failed")
+        assert gc.get_threshold() == (700, *before[1:])
+        gc.set_threshold(20000, *before[1:])
+        with young_collections_deferred(9000):  # never lowered
+            assert gc.get_threshold()[0] == 20000
+    finally:
+        gc.set_threshold(*before)

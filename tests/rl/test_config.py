@@ -44,7 +44,7 @@ def test_model_path_replaces_preset_model():
         ('orchestrator.kind="rey"', "orchestrator.kind: unknown orchestrator 'rey' (installed: inprocess, ray); did you mean 'ray'?"),
         ('run.trackers=["jsonl", "tensorbord"]', "run.trackers: unknown tracker 'tensorbord'"),
         ('run.trackers=["tensorboard"]', "run.trackers must include 'jsonl'"),
-        ("rollout.concurrency=3", "rollout.concurrency = 3 needs rollout.path = 'agentic' (rollout.path 'direct' does not use it)"),
+        ("rollout.concurrency=3", "rollout.concurrency is set: needs rollout.path = 'agentic' (rollout.path 'direct' does not use it)"),
         ("trainer.mtp_loss_coef=0.5", "trainer.mtp_loss_coef = 0.5 needs trainer.backend = 'megatron' (trainer.backend 'hf' does not use it)"),
         ("orchestrator.rollout_workers=2", "orchestrator.rollout_workers > 1 needs orchestrator.kind = 'ray'"),
         ('run.tracker_options.wandb.mode="offline"', "run.tracker_options.wandb is set but run.trackers does not include 'wandb'"),

@@ -1,4 +1,6 @@
 import json
+import os
+import signal
 
 import pytest
 
@@ -124,6 +126,35 @@ def test_runs_without_out_dir_get_a_directory_each_and_latest_is_resumed(miles_p
     with pytest.raises(RuntimeError, match="did not start"):
         train(config, pm, build=failing_build)
     assert (_run_dirs(runs), (runs / "latest").readlink()) == before  # a failed start leaves nothing
+
+
+@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, reason="SIGINT is ignored in this process")
+def test_a_ctrl_c_while_the_runtime_closes_waits_for_the_close(miles_pm_factory, direct_overrides, tmp_path):
+    """Ctrl-C during the close at the end of a run: every closer still runs (the background
+    event loop ends closed), then the KeyboardInterrupt comes. Raised inside the first closer,
+    it would skip the rest."""
+    from miles_core.rl.runtime import build_inprocess
+
+    config = load_config(overrides=[direct_overrides, {"run": {"steps": 1, "eval_every": 0}}])
+    closed: list[str] = []
+    runtimes = []
+
+    def build(*args):
+        runtime = build_inprocess(*args)
+        for index, close in enumerate(runtime.closers):
+            def recorded(close=close, index=index):
+                close()
+                closed.append(str(index))
+            runtime.closers[index] = recorded
+        runtime.closers.append(lambda: (os.kill(os.getpid(), signal.SIGINT), closed.append("ctrl-c")))
+        runtimes.append(runtime)
+        return runtime
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config, miles_pm_factory(builtins=True), build=build)
+    count = len(runtimes[0].closers) - 1
+    assert closed == ["ctrl-c", *(str(i) for i in reversed(range(count)))]
+    assert runtimes[0].aio.loop.is_closed()
 
 
 def test_run_directory_rules(tmp_path):

@@ -83,10 +83,23 @@ def test_run_prints_the_command_result_and_exits_with_its_code(cli, tmp_path: Pa
         "solution.py",
     )
     assert (code, out) == (3, "baked\n")
-    code, _, _ = cli("sandbox", "run", "--timeout", "0.3", "--", "sleep", "10")
-    assert code == 124
+    code, _, err = cli("sandbox", "run", "--timeout", "0.3", "--", "sleep", "10")
+    assert code == 124, err
     code, out, _ = cli("sandbox", "run", "-e", "WHO=env", "echo $WHO; kill -9 $$")
     assert (code, out) == (137, "env\n")
+
+
+def test_run_timeout_counts_from_the_commands_start(cli) -> None:  # type: ignore[no-untyped-def]
+    """`--timeout` bounds the command, not the set-up: an image build slower than the deadline
+    neither times the command out nor keeps it from timing out (exit 124)."""
+    slow_setup = ["sandbox", "run", "--step", "sleep 1", "--timeout", "0.5", "--json", "--"]
+    code, out, err = cli(*slow_setup, "echo", "ran")
+    result = json.loads(out)
+    assert (code, result["stdout"], result["timed_out"]) == (0, "ran\n", False), err
+    code, out, err = cli(*slow_setup, "sleep", "10")
+    result = json.loads(out)
+    assert (code, result["timed_out"]) == (124, True), err
+    assert result["duration_s"] < 5
 
 
 @pytest.mark.parametrize(

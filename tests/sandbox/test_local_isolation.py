@@ -6,8 +6,11 @@ import asyncio
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -20,7 +23,7 @@ from miles_core.sandbox.base import Limits, SandboxSpec
 from miles_core.sandbox.errors import SandboxError, SandboxNotFound, SandboxUnsupported
 from miles_core.sandbox.local import namespaces
 from miles_core.sandbox.local.client import supervisor_env
-from miles_core.sandbox.local.isolation import is_root
+from miles_core.sandbox.local.isolation import is_root, kill_sandbox_processes
 from miles_core.sandbox.local.provider import LocalProvider
 from miles_core.testing.sandbox_probes import _processes_with_args
 
@@ -52,6 +55,69 @@ def test_destroy_kills_daemons_that_left_the_process_group(sandbox_root: Path, l
         assert _processes_with_args([marker]) == [], "a daemon survived destroy"
 
     run(sandbox_root, local_options, body)
+
+
+@pytest.mark.skipif(not is_root(), reason="a sandbox's processes are told apart by its own uid only as root")
+def test_destroy_returns_once_the_sandboxes_processes_have_exited(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]
+    """Killed is not exited: a process that holds 1 GiB needs a few hundred milliseconds to free
+    it after SIGKILL (a loaded machine gives every killed process such a delay). Destroy waits
+    until each has exited (a zombie has: only its parent has not reaped it yet)."""
+
+    async def body(provider: LocalProvider) -> None:
+        ref = await provider.create(SandboxSpec(limits=Limits(memory_mb=4096)))
+        hold = "import time; b = bytearray(b'x') * (1 << 30); open('held', 'w').close(); time.sleep(600)"
+        await provider.exec(ref, ["setsid", "python3", "-c", hold], background=True)
+        held = Path(provider.host_workdir(ref), "held")
+        deadline = time.monotonic() + 60
+        while not held.exists():
+            assert time.monotonic() < deadline, "the process never held its memory"
+            await asyncio.sleep(0.05)
+        meta = provider.store.read_meta(ref.id)
+        assert meta is not None and meta.uid is not None
+        await provider.destroy(ref.id)
+        assert _living_processes_of(meta.uid) == [], "destroy returned before its processes had exited"
+
+    run(sandbox_root, local_options, body)
+
+
+def test_killing_by_marker_waits_until_the_marked_processes_have_exited() -> None:
+    """The process mode's destroy without a uid of its own (an unprivileged owner): every
+    process carrying the sandbox's marker is killed and has exited when the call returns --
+    one of them holds 512 MiB, slow to free -- and an unmarked one is left alone."""
+    sandbox_id = secrets.token_hex(8)
+    hold = "import sys, time; b = bytearray(b'x') * (512 << 20); print(flush=True); time.sleep(600)"
+    marked = {**os.environ, "MILES_SANDBOX_ID": sandbox_id}
+    procs = [subprocess.Popen([sys.executable, "-c", hold], env=marked, stdout=subprocess.PIPE)]
+    procs += [subprocess.Popen(["sleep", "600"], env=marked) for _ in range(2)]
+    control = subprocess.Popen(["sleep", "600"])
+    try:
+        assert procs[0].stdout is not None and procs[0].stdout.readline() == b"\n"
+        pidfds = [os.pidfd_open(p.pid) for p in procs]
+        assert kill_sandbox_processes(sandbox_id) == 3
+        exited = select.select(pidfds, [], [], 0)[0]
+        assert sorted(exited) == sorted(pidfds), "returned before the killed processes had exited"
+        assert [p.wait() for p in procs] == [-signal.SIGKILL] * 3
+        assert control.poll() is None
+    finally:
+        for p in [*procs, control]:
+            p.kill()
+            p.wait()
+
+
+def _living_processes_of(uid: int) -> list[str]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = dict(
+                line.split(":", 1) for line in Path(f"/proc/{entry.name}/status").read_text().splitlines() if ":" in line
+            )
+        except OSError:
+            continue
+        if str(uid) in status["Uid"].split() and not status["State"].strip().startswith(("Z", "X")):
+            found.append(f"{entry.name} {status['Name'].strip()} {status['State'].strip()}")
+    return found
 
 
 def test_files_do_not_follow_the_sandboxes_symlinks(sandbox_root: Path, local_options) -> None:  # type: ignore[no-untyped-def]

@@ -208,3 +208,176 @@ def test_local_sessions_client(engine, tiny_dir) -> None:
     assert sample.response_length == 4 and sample.loss_mask == [1, 1, 1, 1]
     assert all(lp < 0 for lp in sample.rollout_log_probs)
     assert invalid.status == 400 and missing.status == 404
+
+
+def _group_bodies(groups: int = 3, size: int = 4) -> list[dict]:
+    """GRPO-like first turns: each group's bodies share one messages object and vary the seed."""
+    bodies = []
+    for g in range(groups):
+        messages = [{"role": "system", "content": "Answer with digits."}, {"role": "user", "content": f"{g}+2="}]
+        bodies += [{"messages": messages, "max_tokens": 12, "seed": 10 * g + i, "stop": [" ", "e", "a", "o", "\n"]}
+                   for i in range(size)]
+    return bodies
+
+
+def _follow_up(body: dict, outcome) -> dict:
+    message = outcome.reply["choices"][0]["message"]
+    return {**body, "messages": [*body["messages"], message, {"role": "user", "content": "and 1+1=?"}], "seed": body["seed"] + 1}
+
+
+def _assert_same_turn(a, b) -> None:
+    x, y = a.completion, b.completion
+    assert (x.message, x.token_ids, x.finish_reason, x.weight_version) == (y.message, y.token_ids, y.finish_reason, y.weight_version)
+    assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)), default=0.0) <= 1e-5
+    assert _without_ids(a.reply)["choices"][0]["message"] == _without_ids(b.reply)["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_batch_calls_give_what_one_call_per_session_gives(engine, chat_tokenizer, version) -> None:
+    """create_many / chat_many / samples_many / delete_many against create / chat_object /
+    samples / delete, two turns deep: the same turns, replies, records and samples."""
+    one = SessionService(VERSIONS[version], chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
+    many = SessionService(VERSIONS[version], chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
+    first = _group_bodies()
+
+    async def per_session():
+        sids = [one.create() for _ in first]
+        outcomes = [await one.chat_object(sid, body) for sid, body in zip(sids, first)]
+        going = [i for i, o in enumerate(outcomes) if not o.completion.truncated]
+        again = [await one.chat_object(sids[i], _follow_up(first[i], outcomes[i])) for i in going]
+        samples = [one.samples(sid) for sid in sids]
+        records = [one.describe(sid) for sid in sids]
+        for sid in sids:
+            await one.delete(sid)
+        return outcomes, going, again, samples, records
+
+    async def batched():
+        sids = many.create_many(len(first))
+        outcomes = await many.chat_many(list(zip(sids, first)))
+        going = [i for i, o in enumerate(outcomes) if not o.completion.truncated]
+        again = await many.chat_many([(sids[i], _follow_up(first[i], outcomes[i])) for i in going])
+        samples = many.samples_many(sids)
+        records = [many.describe(sid) for sid in sids]
+        await many.delete_many(sids)
+        return outcomes, going, again, samples, records
+
+    (o1, g1, a1, s1, r1), (o2, g2, a2, s2, r2) = asyncio.run(per_session()), asyncio.run(batched())
+    assert g1 == g2 and len(g1) >= 2, "too few first turns can be continued; pick other seeds"
+    for a, b in zip([*o1, *a1], [*o2, *a2], strict=True):
+        _assert_same_turn(a, b)
+    for x, y in zip(s1, s2, strict=True):
+        assert x.empty_reason == y.empty_reason
+        for p, q in zip(x.samples, y.samples, strict=True):
+            assert (p.tokens, p.loss_mask, p.status, p.metadata, p.weight_versions) == (
+                q.tokens, q.loss_mask, q.status, q.metadata, q.weight_versions)
+            assert max(abs(u - v) for u, v in zip(p.rollout_log_probs, q.rollout_log_probs, strict=True)) <= 1e-5
+    for x, y in zip(r1, r2, strict=True):
+        assert [r["request"] for r in x["records"]] == [r["request"] for r in y["records"]]
+        assert [_without_ids(r["response"])["choices"][0]["message"] for r in x["records"]] == [
+            _without_ids(r["response"])["choices"][0]["message"] for r in y["records"]]
+        assert x["metadata"]["accumulated_token_ids"] == y["metadata"]["accumulated_token_ids"]
+    assert one.health()["sessions"] == many.health()["sessions"] == 0
+
+
+def test_a_failing_turn_in_a_batch_fails_alone_and_leaves_its_session_unchanged(engine, chat_tokenizer) -> None:
+    from miles_core.session.errors import Conflict, SessionNotFound
+
+    service = SessionService(LinearVersion(), chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
+    ok = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 3, "seed": 1}
+    cases = {
+        "engine field": {**ok, "frequency_penalty": 0.5},  # refused by the engine's request validation
+        "bad role": {**ok, "messages": [{"role": "robot", "content": "x"}]},  # refused by the normalizer
+        "no room": {**ok, "max_tokens": engine.max_model_len},  # refused by the engine at submission
+    }
+
+    async def run():
+        sids = service.create_many(2 + len(cases))
+        turns = [(sids[0], ok), (sids[0], {**ok, "seed": 2}), (sids[1], {**ok, "seed": 3}), ("nobody", ok)]
+        turns += [(sid, body) for sid, body in zip(sids[2:], cases.values())]
+        return sids, await service.chat_many(turns)
+
+    sids, results = asyncio.run(run())
+    first, second, third, missing, *refused = results
+    assert len(first.completion.token_ids) == 3 and len(third.completion.token_ids) == 3
+    assert isinstance(second, Conflict) and second.status == 409  # v1: one generation in flight per session
+    assert isinstance(missing, SessionNotFound) and missing.status == 404
+    assert [type(e).__name__ for e in refused] == ["InvalidRequest"] * 3 and all(e.status == 400 for e in refused)
+    assert "frequency_penalty" in refused[0].message and "max_tokens" in refused[2].message
+    assert [len(service.describe(sid)["records"]) for sid in sids] == [1, 1, 0, 0, 0]
+    assert all(service.get(sid).in_flight == 0 for sid in sids)
+
+
+def test_create_samples_and_delete_many_refuse_before_changing_anything(chat_tokenizer) -> None:
+    from miles_core.session.config import ServiceLimits
+    from miles_core.session.errors import Conflict, SessionNotFound
+
+    service = SessionService(LinearVersion(), chat_tokenizer, upstream=None, limits=ServiceLimits(max_sessions=3))  # type: ignore[arg-type]
+    sids = service.create_many(2)
+    with pytest.raises(Conflict, match="cannot open 2 more"):
+        service.create_many(2)
+    assert service.health()["sessions"] == 2
+    with pytest.raises(SessionNotFound):
+        service.samples_many([sids[0], "nobody"])
+    assert [b.empty_reason for b in service.samples_many(sids)] == ["no_records", "no_records"]
+    with pytest.raises(SessionNotFound):
+        asyncio.run(service.delete_many([sids[0], "nobody"]))
+    assert service.health()["sessions"] == 2 and not service.get(sids[0]).closing
+    asyncio.run(service.delete_many([sids[0], "nobody"], missing_ok=True))
+    assert service.health()["sessions"] == 1
+    assert len({*sids, *service.create_many(2)}) == 4  # fresh ids
+
+
+def test_a_batch_that_times_out_or_is_cancelled_is_aborted_in_the_engine(engine, chat_tokenizer) -> None:
+    upstream = EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size, timeout=0.05)
+    service = SessionService(TreeVersion(), chat_tokenizer, upstream)
+    long_turn = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 2000, "ignore_eos": True, "seed": 3}
+
+    async def run():
+        sids = service.create_many(3)
+        timed_out = await service.chat_many([(sid, long_turn) for sid in sids])
+        upstream.timeout = 600
+        task = asyncio.ensure_future(service.chat_many([(sid, long_turn) for sid in sids]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the engine drops aborted requests before its next decode step
+            if engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return sids, timed_out
+
+    sids, timed_out = asyncio.run(run())
+    assert all(isinstance(e, UpstreamFailure) and "EngineTimeoutError" in e.message for e in timed_out)
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+    assert all(service.describe(sid)["records"] == [] and service.get(sid).in_flight == 0 for sid in sids)
+
+
+def test_local_sessions_batch_calls(engine, tiny_dir) -> None:
+    from miles_core.plugins import MilesPluginManager
+    from miles_core.session.client import ChatTurn, LocalSessions, SessionCallError
+    from miles_core.testing.isolation import register_builtins
+
+    pm = MilesPluginManager()
+    register_builtins(pm)
+    sessions = LocalSessions.for_engine(engine, tiny_dir, version="v1", pm=pm)
+    body = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 4}
+
+    async def run():
+        sids = await sessions.create_many(2)
+        turns = await sessions.chat_many([(sids[0], {**body, "seed": 5}), (sids[1], {"messages": []})])
+        samples = await sessions.samples_many(sids)
+        alone = await sessions.create()
+        await sessions.chat(alone, {**body, "seed": 5})
+        [sample] = await sessions.samples(alone)
+        await sessions.delete_many([*sids, alone])
+        await sessions.delete_many(sids)  # already gone: fine, as over HTTP (404)
+        with pytest.raises(SessionCallError) as missing:
+            await sessions.samples_many(sids)
+        return turns, samples, sample, missing.value
+
+    (turn, invalid), (first, empty), alone, missing = asyncio.run(run())
+    assert isinstance(turn, ChatTurn) and turn.message["role"] == "assistant"
+    assert isinstance(invalid, SessionCallError) and invalid.status == 400
+    assert first[0].tokens == alone.tokens and first[0].loss_mask == alone.loss_mask == [1, 1, 1, 1] and empty == []
+    assert missing.status == 404

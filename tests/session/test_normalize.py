@@ -227,3 +227,34 @@ def test_a_repeated_history_is_not_validated_again() -> None:
     request = normalize.normalize_chat_object({"messages": [*resent, {"role": "user", "content": "next"}]}, history)
     assert request.repeated == 51 and request.messages[:51] == history.messages
     assert all(a is b for a, b in zip(request.messages, history.messages))  # the same objects, not copies
+
+
+def test_a_batch_normalizes_each_body_as_alone_and_names_the_seed_variants() -> None:
+    from miles_core.session.errors import InvalidRequest
+    from miles_core.session.normalize import History, normalize_chat_object, normalize_chat_objects
+
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    history = History.after((), (), {"role": "assistant", "content": "x"}, repeated=0)
+    bodies = [
+        {"messages": messages, "max_tokens": 3, "seed": 1, "tools": tools},
+        {"messages": messages, "max_tokens": 3, "seed": 2, "tools": tools},  # a variant of the one before
+        {"messages": messages, "max_tokens": 3, "tools": tools, "seed": 9, "stream": True},  # another field: not one
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 4, "tools": tools},  # equal, not the same
+        {"messages": messages, "max_tokens": 3, "seed": 5, "tools": tools},  # another history below
+        {"messages": [{"role": "robot"}], "seed": 6},
+        {"messages": [{"role": "robot"}], "seed": 7},  # after an error: validated again, and fails again
+        {"messages": messages, "seed": 8},
+        {"messages": messages, "seed": 8, "n": 2},  # the one field that differs is validated
+    ]
+    histories = [None, None, None, None, history, None, None, None, None]
+    batch = normalize_chat_objects(bodies, histories)
+    for body, past, got in zip(bodies, histories, batch, strict=True):
+        try:
+            alone = normalize_chat_object(body, past)
+        except InvalidRequest as exc:
+            assert isinstance(got, InvalidRequest) and got.message == exc.message
+            continue
+        assert got == alone and got.forward == alone.forward
+    assert [r.variant_of is batch[0] for r in batch[:2]] == [False, True]
+    assert all(getattr(r, "variant_of", None) is None for r in batch[2:])

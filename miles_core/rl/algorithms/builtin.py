@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from miles_core.rl.algorithms.base import Aggregation, PolicyLoss, TokenBatch
-
 if TYPE_CHECKING:
     import torch
 
+    from miles_core.rl.algorithms.base import Aggregation, PolicyLoss, TokenBatch
     from miles_core.rl.config import AlgorithmSection
 
 @dataclass(frozen=True)
@@ -40,6 +39,7 @@ class GRPO:
         return group_advantages(rewards, group_size, scale_by_std=settings.scale_by_std)
 
     def policy_loss(self, batch: TokenBatch, settings: AlgorithmSection) -> PolicyLoss:
+        from miles_core.rl.algorithms.base import PolicyLoss
         from miles_core.rl.algorithms.losses import clipped_policy_loss
 
         per_token, stats = clipped_policy_loss(
@@ -90,6 +90,7 @@ class GSPO(GRPO):
     def policy_loss(self, batch: TokenBatch, settings: AlgorithmSection) -> PolicyLoss:
         import torch
 
+        from miles_core.rl.algorithms.base import PolicyLoss
         from miles_core.rl.algorithms.losses import sequence_ratio
 
         ratio = sequence_ratio(batch.logprobs, batch.rollout_logprobs, batch.mask, batch.doc_index, batch.num_docs)

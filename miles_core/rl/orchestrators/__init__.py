@@ -16,6 +16,9 @@ def run_training(
 ) -> RunResult:
     """Train with the orchestrator ``orchestrator.kind`` selects (the loop resolves it);
     ``started``: see :func:`miles_core.rl.loop.train`."""
-    from miles_core.rl.loop import train
+    from miles_core.gc_pause import gc_paused
+
+    with gc_paused():  # the loop's modules import torch and transformers: long-lived objects only
+        from miles_core.rl.loop import train
 
     return train(config, pm, resume=resume, started=started)

@@ -16,6 +16,8 @@ MIN_RAY = (2, 40)
 
 @dataclass(frozen=True)
 class InProcess:
+    """Every part in this process: the engine on a background thread, the session server, trainer and rewards."""
+
     name: str = "inprocess"
     description: str = "engine (a background thread), session server, trainer and rewards in this process"
     settings: frozenset[str] = frozenset()
@@ -35,6 +37,8 @@ class InProcess:
 
 @dataclass(frozen=True)
 class Ray:
+    """The engine, trainer and rollout workers as Ray actors in one placement group."""
+
     name: str = "ray"
     description: str = "engine, trainer and rollout workers as Ray actors in one placement group"
     settings: frozenset[str] = frozenset(

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers import PreTrainedTokenizerBase
 
     from miles_core.engine.base import Completion, GenerationRequest

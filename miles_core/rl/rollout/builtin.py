@@ -28,6 +28,8 @@ def check_declarations(name: str, provides: frozenset[str], settings: frozenset[
 
 @dataclass(frozen=True)
 class DirectRolloutFunction:
+    """Single-turn, token-in: prompts tokenized once and generated in one engine batch."""
+
     name: str = "direct"
     description: str = "prompts tokenized once and generated in one batch by the engine (token-in, single turn)"
     provides: frozenset[str] = frozenset({"token_ids", "loss_mask", "rollout_logprobs"})
@@ -49,6 +51,8 @@ class DirectRolloutFunction:
 
 @dataclass(frozen=True)
 class AgenticRolloutFunction:
+    """Multi-turn OpenAI-chat episodes through the session server; tools run in the sandbox."""
+
     name: str = "agentic"
     description: str = "OpenAI-chat episodes through the session server (multi-turn, tools run in the sandbox)"
     provides: frozenset[str] = frozenset({"token_ids", "loss_mask", "rollout_logprobs"})

@@ -6,12 +6,14 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles_core.frozen import quick_init
 from miles_core.rl.tasks import Prompt, RewardInput
 
 if TYPE_CHECKING:
     from miles_core.rl.algorithms.batch import TrainDocument
 
 
+@quick_init
 @dataclass(frozen=True)
 class Trajectory:
     """One sampled episode, exactly as the engine produced it.

@@ -13,13 +13,13 @@ descriptor loads its options model and its sink when asked for them.
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pydantic import BaseModel
 
 #: one value of a metrics record (metrics.jsonl holds them all; other trackers the numbers)
@@ -112,6 +112,9 @@ def check_read_back(tracker: Tracker, options: BaseModel | None = None,
     """Write ``records`` through ``tracker`` into a scratch run directory, close it, and raise
     ``AssertionError`` unless its store gives every number back (relative tolerance
     :data:`READ_BACK_TOLERANCE`) at its step. Returns what was read back."""
+    import tempfile  # here, not at module level: plugin discovery imports this module
+    from pathlib import Path
+
     with tempfile.TemporaryDirectory(prefix=f"miles-tracker-{tracker.name}-") as tmp:
         run = TrackerRun(out_dir=Path(tmp), name="probe", config={"probe": True})
         sink = tracker.open(run, options if options is not None else tracker.options())

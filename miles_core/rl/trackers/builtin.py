@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles_core.rl.trackers.base import TrackerRun, TrackerSink, check_read_back
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from miles_core.rl.trackers.base import TrackerRun, TrackerSink
 
 
 def _require(module: str) -> None:
@@ -14,12 +17,11 @@ def _require(module: str) -> None:
 
     require_module(module, "trackers")
 
-if TYPE_CHECKING:
-    from pydantic import BaseModel
-
 
 @dataclass(frozen=True)
 class JsonlTracker:
+    """The run's own ``metrics.jsonl`` (always on)."""
+
     name: str = "jsonl"
     description: str = "metrics.jsonl in the run directory: one fsynced JSON line per step (always on)"
 
@@ -36,11 +38,15 @@ class JsonlTracker:
         return JsonlSink(MetricsLog(run.out_dir / "metrics.jsonl"))
 
     def verify(self) -> None:
+        from miles_core.rl.trackers.base import check_read_back
+
         check_read_back(self)
 
 
 @dataclass(frozen=True)
 class TensorBoardTracker:
+    """TensorBoard event files written through ``torch.utils.tensorboard``."""
+
     name: str = "tensorboard"
     description: str = "TensorBoard event files through torch.utils.tensorboard, <out_dir>/tensorboard"
 
@@ -61,11 +67,15 @@ class TensorBoardTracker:
         return TensorBoardSink(log_dir, purge_step=run.first_step if run.resume else None)
 
     def verify(self) -> None:
+        from miles_core.rl.trackers.base import check_read_back
+
         check_read_back(self)
 
 
 @dataclass(frozen=True)
 class WandbTracker:
+    """Weights & Biases, offline unless its options say otherwise."""
+
     name: str = "wandb"
     description: str = "Weights & Biases; offline by default (<out_dir>/wandb, `wandb sync` uploads it)"
 
@@ -83,11 +93,15 @@ class WandbTracker:
         return WandbSink(run, options)
 
     def verify(self) -> None:
+        from miles_core.rl.trackers.base import check_read_back
+
         check_read_back(self, self.options(mode="offline"))
 
 
 @dataclass(frozen=True)
 class MlflowTracker:
+    """MLflow, into a local file store unless its ``tracking_uri`` option points elsewhere."""
+
     name: str = "mlflow"
     description: str = "MLflow; a local file store <out_dir>/mlruns by default"
 
@@ -105,6 +119,8 @@ class MlflowTracker:
         return MlflowSink(run, options)
 
     def verify(self) -> None:
+        from miles_core.rl.trackers.base import check_read_back
+
         check_read_back(self)
 
 

@@ -7,10 +7,11 @@ Nothing here imports torch (plugin discovery imports this module).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from miles_core.rl.algorithms.base import Algorithm

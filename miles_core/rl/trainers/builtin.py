@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from miles_core.rl.algorithms.base import Algorithm
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class HFBackend:
+    """A transformers causal LM trained with torch (AdamW), FSDP2 across ranks."""
+
     name: str = "hf"
     description: str = "a transformers causal LM trained with torch (AdamW); FSDP2 over trainer.world_size ranks"
     settings: frozenset[str] = frozenset({"world_size", "compile", "gradient_checkpointing", "share_prompts"})
@@ -33,6 +36,8 @@ class HFBackend:
 
 @dataclass(frozen=True)
 class MegatronBackend:
+    """megatron-core's GPTModel for Llama architectures, optionally with MTP layers."""
+
     name: str = "megatron"
     description: str = "megatron-core's GPTModel (Llama architectures), optionally with MTP layers"
     settings: frozenset[str] = frozenset({"mtp_num_layers", "mtp_loss_coef"})

@@ -20,9 +20,11 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from functools import cache
 
@@ -32,6 +34,14 @@ from miles_core.sandbox.local.namespaces import CLONE_NEWNET, bring_loopback_up
 MB = 1 << 20
 #: variable set in every sandboxed process's environment (found again by destroy)
 MARKER_VAR = "MILES_SANDBOX_ID"
+#: how long a destroy waits for the processes it SIGKILLed to have exited. Exiting needs only
+#: CPU time: to be scheduled, free memory (~0.4 s per GiB on 2 loaded cores), close files; a
+#: namespace sandbox's init in addition until every process of its pid namespace was reaped, by
+#: the init or by the commands' waiters (:func:`~miles_core.sandbox.local.namespaces.
+#: wait_for_command`), which wait in ``waitid``. Measured at load 4 on 2 cores: under 20 ms per
+#: sandbox. Past this, something no wait would end holds a process (stuck in the kernel, a
+#: zombie whose parent never reaps); the error names it.
+EXIT_TIMEOUT_S = 10.0
 
 
 @cache
@@ -123,12 +133,13 @@ def child_setup(limits: list[tuple[int, int]], uid: int | None, netns_fd: int | 
     return setup
 
 
-def kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` at once: ``kill(-1, SIGKILL)`` from a child running *as*
-    that uid.
+def kill_uid(uid: int, timeout: float = EXIT_TIMEOUT_S) -> None:
+    """SIGKILL every process of ``uid`` at once -- ``kill(-1, SIGKILL)`` from a child running
+    *as* that uid -- then wait until each has exited (:func:`wait_exited`).
 
-    ``kill(-1)`` reaches every process the caller may signal, atomically with respect to forks,
-    so a fork bomb cannot outrun it. The child only makes system calls; still, call this from a
+    ``kill(-1)`` reaches every process the caller may signal (real or saved uid ``uid``),
+    atomically with respect to forks, so a fork bomb cannot outrun it, and none of ``uid`` can
+    appear afterwards. The child only makes system calls; still, call this from a
     single-threaded process (the supervisor), where forking is safe.
     """
     pid = os.fork()
@@ -138,9 +149,77 @@ def kill_uid(uid: int) -> None:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
             os.kill(-1, 9)
-        finally:
             os._exit(0)
-    os.waitpid(pid, 0)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise OSError(f"could not kill the processes of uid {uid} (killer exit status {status})")
+    wait_exited(_pidfds_of_uid(uid), timeout)
+
+
+def _status_uids(pid: int) -> list[bytes]:
+    """Real, effective, saved and filesystem uid of ``pid`` (empty if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Uid:"):
+                    return line.split()[1:]
+    except OSError:
+        pass  # gone
+    return []
+
+
+def _pidfds_of_uid(uid: int) -> dict[int, int]:
+    """``{pidfd: pid}`` of the processes whose real or saved uid is ``uid`` (what ``kill(-1)``
+    as ``uid`` reaches)."""
+    wanted, found = str(uid).encode(), {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or wanted not in _status_uids(int(entry.name))[::2]:
+            continue
+        try:
+            pidfd = os.pidfd_open(int(entry.name))
+        except ProcessLookupError:
+            continue
+        # read again through the open pidfd's pid: it is that process's now, not a recycled one's
+        if wanted in _status_uids(int(entry.name))[::2]:
+            found[pidfd] = int(entry.name)
+        else:
+            os.close(pidfd)
+    return found
+
+
+def wait_exited(pidfds: dict[int, int], timeout: float = EXIT_TIMEOUT_S) -> None:
+    """Wait until every process of ``{pidfd: pid}`` has exited, then close the pidfds.
+
+    Killed is not exited: a SIGKILLed process still has to be scheduled, free its memory and
+    close its files (a few hundred milliseconds per GiB it held). Exited is what a destroy
+    promises: a zombie has, only its parent has not reaped it yet -- that parent may be the
+    host's init, whose pace is not ours to wait for."""
+    poller = select.poll()
+    for pidfd in pidfds:
+        poller.register(pidfd, select.POLLIN)
+    left = dict(pidfds)
+    deadline = time.monotonic() + timeout
+    try:
+        while left:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"processes {sorted(left.values())} did not exit {timeout:g}s after SIGKILL")
+            for pidfd, _ in poller.poll(remaining * 1000):
+                poller.unregister(pidfd)
+                del left[pidfd]
+    finally:
+        for pidfd in pidfds:
+            os.close(pidfd)
+
+
+def _environ(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return fh.read()
+    except OSError:  # exited meanwhile, or not ours to read
+        return None
 
 
 def sandbox_processes(sandbox_id: str) -> list[int]:
@@ -149,30 +228,44 @@ def sandbox_processes(sandbox_id: str) -> list[int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as fh:
-                if marker in fh.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except OSError:  # exited meanwhile, or not ours to read
-            continue
+        environ = _environ(int(entry.name))
+        if environ is not None and marker in environ.split(b"\0"):
+            found.append(int(entry.name))
     return found
 
 
-def kill_sandbox_processes(sandbox_id: str) -> int:
-    """SIGKILL the processes of a sandbox without a uid of its own, found by their marker.
+def kill_sandbox_processes(sandbox_id: str, timeout: float = EXIT_TIMEOUT_S) -> int:
+    """SIGKILL the processes of a sandbox without a uid of its own, found by their marker, then
+    wait until each has exited (:func:`wait_exited`); returns how many were killed.
 
-    Repeats until none is left (a dying parent may have forked meanwhile); returns the count.
-    Zombies have an empty environment, so the loop ends once all were killed.
+    Repeats until a pass finds none (a dying parent may have forked meanwhile). A killed process
+    that is still exiting keeps its environment until it has freed its memory; it is killed
+    once. Zombies have an empty environment.
     """
-    killed = 0
-    for _ in range(20):
-        pids = sandbox_processes(sandbox_id)
-        for pid in pids:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                continue
-            killed += 1
-        if not pids:
-            break
-    return killed
+    marker = f"{MARKER_VAR}={sandbox_id}".encode()
+    killed: dict[int, int] = {}
+    try:
+        for _ in range(20):
+            fresh = [pid for pid in sandbox_processes(sandbox_id) if pid not in killed.values()]
+            for pid in fresh:
+                try:
+                    pidfd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue
+                environ = _environ(pid)  # through the open pidfd's pid: not a recycled one's
+                if environ is None or marker not in environ.split(b"\0"):
+                    os.close(pidfd)
+                    continue
+                killed[pidfd] = pid
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # exited meanwhile: waiting for it returns at once
+            if not fresh:
+                break
+    except BaseException:
+        for pidfd in killed:
+            os.close(pidfd)
+        raise
+    wait_exited(killed, timeout)
+    return len(killed)

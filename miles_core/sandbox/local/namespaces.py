@@ -58,6 +58,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+#: what ends a command in a sandbox: sent to its waiter, which SIGKILLs the command's group
+END_COMMAND = signal.SIGTERM
 #: pivot_root(2) has no libc wrapper
 _SYS_PIVOT_ROOT = {"x86_64": 155, "i686": 217, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
@@ -345,13 +347,17 @@ def entering(
     cwd: str,
     rlimits: Sequence[tuple[int, int]],
     cgroup_procs: int | None = None,
+    end_group_on_exit: bool = True,
 ) -> Callable[[], None]:
     """The ``preexec_fn`` that moves a new process into the sandbox held by ``pidfd``.
 
     It joins the sandbox's cgroup (when it has one) and the init's namespaces, sets the limits, drops every capability and privilege
     (uid :data:`SANDBOX_UID`, empty bounding set, ``no_new_privs``), then forks: the command
-    runs in the child, inside the sandbox's pid namespace; this process stays outside,
-    waiting for it and exiting as it did, holding no file descriptor.
+    runs in the child, inside the sandbox's pid namespace, leading a process group of its own;
+    this process stays outside as its *waiter* (:func:`wait_for_command`), holding no file
+    descriptor. To end the command, send the waiter :data:`END_COMMAND`, never SIGKILL.
+    ``end_group_on_exit``: when the command exits, kill what it started that stayed in its
+    process group (a foreground command); not for a background one.
     """
     import resource
 
@@ -377,35 +383,68 @@ def entering(
         os.umask(0o022)  # files stay private to the sandbox: nothing else sees its filesystem
         child = os.fork()
         if child == 0:
+            os.setpgid(0, 0)
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # the supervisor ignores it; commands must not
             os.close(pidfd)
             return  # subprocess closes the remaining descriptors and execs the command
-        wait_and_exit_like(child)
+        wait_for_command(child, end_group_on_exit=end_group_on_exit)
 
     return setup
 
 
+def wait_for_command(child: int, *, end_group_on_exit: bool) -> None:
+    """The waiting half of :func:`entering`: SIGKILL the command's process group on
+    :data:`END_COMMAND`, reap the command, end exactly as it did.
+
+    The waiter must outlive the command. The command is in the sandbox's pid namespace but its
+    parent is not: were the waiter killed first, the kernel would hand the command to the
+    reaper of the *waiter's* namespace -- the host's init -- and the sandbox's init cannot finish
+    exiting (nor a destroy waiting for it) until the host's init has reaped that zombie: seconds
+    on a loaded host, never under an init that does not reap.
+    """
+    try:
+        try:  # also in the child (whichever runs first): the group must exist before a request can come
+            os.setpgid(child, child)
+        except (PermissionError, ProcessLookupError):
+            pass  # it has exec'd or ended: it set its group itself first
+        # the command stays unreaped (a zombie at worst) while the handler may run, so its
+        # group id cannot have been reused by another process
+        signal.set_wakeup_fd(-1)  # the supervisor's event loop's, about to be closed
+        signal.signal(END_COMMAND, lambda _signum, _frame: os.killpg(child, signal.SIGKILL))
+        for fd in (0, 1, 2):
+            os.close(fd)
+        close_fds_above_stdio()
+        os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {END_COMMAND})
+        if end_group_on_exit:
+            os.killpg(child, signal.SIGKILL)
+        exit_like(child)
+    finally:
+        os._exit(255)
+
+
 def wait_and_exit_like(child: int) -> None:
-    """The waiting half of :func:`entering`: end exactly as the command did (code or signal)."""
+    """Close every descriptor, wait for ``child``, then end exactly as it did."""
     try:
         for fd in (0, 1, 2):
             os.close(fd)
         close_fds_above_stdio()
-        while True:
-            try:
-                _, status = os.waitpid(child, 0)
-                break
-            except InterruptedError:
-                continue
-        if os.WIFSIGNALED(status):
-            number = os.WTERMSIG(status)
-            if number not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(number, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        exit_like(child)
     finally:
         os._exit(255)
+
+
+def exit_like(child: int) -> None:
+    """Reap ``child`` and end exactly as it did (code or signal); never returns."""
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        if number not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(number, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {number})
+        os.kill(os.getpid(), number)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 # -- what the host supports ---------------------------------------------------------------------------
@@ -537,8 +576,10 @@ def _probe_main(tool: str) -> int:
                     pass
             if proc is not None:
                 proc.wait()
-            else:
-                os.kill(keeper, signal.SIGKILL)
+            else:  # the keeper ends by itself once it has reaped the init: killed first, it would
+                # hand the init's zombie to the host's init
+                if "init" not in info:
+                    os.kill(keeper, signal.SIGKILL)
                 os.waitpid(keeper, 0)
 
 

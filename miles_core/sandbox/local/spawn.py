@@ -32,7 +32,12 @@ class Child:
         setup: Callable[[], None],
         capture: bool,
         pass_fds: tuple[int, ...] = (),
+        end_signal: int | None = None,
     ) -> None:
+        """``end_signal``: the process is a waiter that ends its command on this signal
+        (:func:`~miles_core.sandbox.local.namespaces.entering`) and must not be killed itself;
+        None: it is the command, and its process group is SIGKILLed."""
+        self.end_signal = end_signal
         target = subprocess.PIPE if capture else subprocess.DEVNULL
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -54,6 +59,10 @@ class Child:
 
     def kill_group(self) -> None:
         """SIGKILL the command's process group (a reaped leader's group may still have members)."""
+        if self.end_signal is not None:  # through the pidfd: the waiter may have been reaped
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, self.end_signal)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 

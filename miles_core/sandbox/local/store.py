@@ -36,12 +36,9 @@ from typing import Any
 from miles_core.errors import ConfigError
 from miles_core.fileio import write_bytes_atomic
 from miles_core.sandbox.local import cgroups
-from miles_core.sandbox.local.isolation import kill_sandbox_processes, kill_uid
+from miles_core.sandbox.local.isolation import EXIT_TIMEOUT_S, kill_sandbox_processes, kill_uid
 from miles_core.sandbox.local.uids import UidRegistry
 from miles_core.sandbox.ownership import process_alive, process_start_time
-
-#: how long destroying a namespace sandbox waits for the kernel to end its pid namespace
-INIT_EXIT_TIMEOUT_S = 10.0
 
 ENV_ROOT = "MILES_SANDBOX_ROOT"
 
@@ -185,7 +182,7 @@ class Store:
             return {}
 
 
-def kill_and_wait(pid: int, start: str | None, timeout: float = INIT_EXIT_TIMEOUT_S) -> bool:
+def kill_and_wait(pid: int, start: str | None, timeout: float = EXIT_TIMEOUT_S) -> bool:
     """SIGKILL ``pid`` if it is still the process that started at ``start`` and wait until it
     has exited (through a pidfd: a recycled pid is never signalled). True if it was alive.
 
@@ -198,15 +195,39 @@ def kill_and_wait(pid: int, start: str | None, timeout: float = INIT_EXIT_TIMEOU
         if start is not None and process_start_time(pid) != start:
             return False
         try:
+            namespace = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:  # gone meanwhile; the pidfd still says when it has exited
+            namespace = None
+        try:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:
             return False
         ready, _, _ = select.select([pidfd], [], [], timeout)
         if not ready:
-            raise TimeoutError(f"process {pid} did not exit {timeout:g}s after SIGKILL")
+            held = _holding(namespace, pid) if namespace is not None else ""
+            raise TimeoutError(f"process {pid} did not exit {timeout:g}s after SIGKILL{held}")
         return True
     finally:
         os.close(pidfd)
+
+
+def _holding(namespace: str, init: int) -> str:
+    """What keeps the pid namespace ``namespace`` of ``init`` alive: its other processes, their
+    state and parent (a zombie is waiting for its parent to reap it)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == init:
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != namespace:
+                continue
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        found.append(f"{entry.name} (state {fields[0].decode()}, parent {fields[1].decode()})")
+    return f"; its pid namespace still holds {', '.join(found)}" if found else ""
 
 
 def _private_dir(path: Path) -> None:

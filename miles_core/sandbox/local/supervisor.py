@@ -345,6 +345,7 @@ class Supervisor:
             cwd=message["cwd"],
             rlimits=rlimits(limits, processes=namespace_process_limit() and not by_cgroup, address_space=not by_cgroup),
             cgroup_procs=tracked.cgroup_procs,
+            end_group_on_exit=capture,
         )
         return Child(
             message["argv"],
@@ -353,6 +354,7 @@ class Supervisor:
             setup=setup,
             capture=capture,
             pass_fds=(tracked.init_pidfd,),
+            end_signal=namespaces.END_COMMAND,
         )
 
     # -- life -----------------------------------------------------------------------------------
