@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from miles_core.errors import ConfigError
 from miles_core.plugins import Contribution, MilesPluginManager
+from miles_core.rl.algorithms.base import SHARED_SETTINGS
 
 if TYPE_CHECKING:
     from miles_core.rl.algorithms.base import Algorithm
@@ -44,10 +45,7 @@ SELECTORS: Mapping[str, tuple[str, str]] = {
 
 #: per section, the settings every selected object honours (an object's ``settings`` adds its own)
 SHARED: Mapping[str, frozenset[str]] = {
-    "algorithm": frozenset(
-        {"name", "lr", "weight_decay", "kl_coef", "kl_bias_correction", "entropy_coef", "epochs", "minibatches",
-         "max_grad_norm"}
-    ),
+    "algorithm": SHARED_SETTINGS,
     "rollout": frozenset(
         {"path", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p", "top_k"}
     ),
