@@ -155,6 +155,14 @@ def test_engine_fields_are_validated_like_the_engine_http_front_does(engine, cha
     assert service.describe(sid)["records"] == []
 
 
+
+async def _until_nothing_runs(engine) -> None:
+    """Up to 2 s: the engine drops aborted requests before its next decode step."""
+    for _ in range(200):
+        if engine.stats()["running"] == 0:
+            return
+        await asyncio.sleep(0.01)
+
 def test_timeouts_and_cancellations_abort_the_generation(engine, chat_tokenizer) -> None:
     upstream = EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size, timeout=0.05)
     service = SessionService(LinearVersion(), chat_tokenizer, upstream)
@@ -170,10 +178,7 @@ def test_timeouts_and_cancellations_abort_the_generation(engine, chat_tokenizer)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):  # the engine drops aborted requests before its next decode step
-            if engine.stats()["running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        await _until_nothing_runs(engine)
         return sid
 
     sid = asyncio.run(run())
@@ -341,10 +346,7 @@ def test_a_batch_that_times_out_or_is_cancelled_is_aborted_in_the_engine(engine,
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):  # the engine drops aborted requests before its next decode step
-            if engine.stats()["running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        await _until_nothing_runs(engine)
         return sids, timed_out
 
     sids, timed_out = asyncio.run(run())
