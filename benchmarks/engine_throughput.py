@@ -166,6 +166,7 @@ def main() -> None:
                         help="requests the sequential baseline runs (0: skip it; default: 8)")
     parser.add_argument("--runner", default="auto", help="engine runner: auto, lean or hf (default: auto)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine's decode step eagerly on a GPU")
+    parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on a GPU")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -187,8 +188,9 @@ def main() -> None:
     vocab = min(256, model.config.get_text_config().vocab_size)
 
     for n in args.requests:
-        engine = Engine(loaded, EngineConfig(max_batch_size=n, runner=args.runner, cuda_graphs=not args.no_cuda_graphs,
-                                             cpu_threads=args.cpu_threads), name=args.model_path or args.preset)
+        config = EngineConfig(max_batch_size=n, runner=args.runner, cuda_graphs=not args.no_cuda_graphs,
+                              compile_decode=False if args.no_compile else None, cpu_threads=args.cpu_threads)
+        engine = Engine(loaded, config, name=args.model_path or args.preset)
         try:
             for lengths in args.lengths:
                 rng = random.Random(f"{args.seed}-{n}-{lengths}")
@@ -200,7 +202,7 @@ def main() -> None:
                     for i, (p, m) in enumerate(zip(prompts, limits))
                 ]
                 kw = dict(equal=equal, eos=eos, pad=pad)
-                run_engine(engine, requests)  # warm-up: allocations, kernel selection, graph capture
+                warm_up = run_engine(engine, requests)  # allocations, kernel selection and compilation, graph capture
                 run_batched_generate(model, prompts, limits, **kw)
                 engine_runs, batched_runs = [], []
                 loads = []
@@ -212,7 +214,9 @@ def main() -> None:
                 if args.sequential_requests:
                     k = min(args.sequential_requests, n)
                     sequential = run_sequential_generate(model, prompts[:k], limits[:k], **kw)
-                print(json.dumps(_line(args, n, lengths, device, engine, engine_runs, batched_runs, sequential, loads)), flush=True)
+                line = _line(args, n, lengths, device, engine, engine_runs, batched_runs, sequential, loads)
+                line["engine_warm_up_s"] = round(warm_up.seconds, 2)
+                print(json.dumps(line), flush=True)
         finally:
             engine.close()
 

@@ -28,10 +28,11 @@ from miles_core.engine.state import SlotState
 DecodeFn = Callable[[SlotState, torch.Tensor, int], torch.Tensor]
 
 
-def batch_buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8 up to 256, multiples of 32 beyond, and ``max_rows`` itself."""
+def batch_buckets(max_rows: int, min_rows: int = 1) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to 256, multiples of 32 beyond, and ``max_rows`` itself;
+    none below ``min_rows`` (unless ``max_rows`` is)."""
     sizes = {1, 2, 4, *range(8, 257, 8), *range(288, max_rows + 1, 32), max_rows}
-    return sorted(s for s in sizes if s <= max_rows)
+    return sorted(s for s in sizes if min(min_rows, max_rows) <= s <= max_rows)
 
 
 class DecodeGraphs:
@@ -39,12 +40,12 @@ class DecodeGraphs:
     (:func:`miles_core.hardware.devices.graph_runtime`)."""
 
     def __init__(self, decode: DecodeFn, state: SlotState, runtime: Any, *, capture: bool = True,
-                 min_span: int = 64) -> None:
+                 min_span: int = 64, min_rows: int = 1) -> None:
         self.runtime = runtime
         self.decode = decode
         self.state = state
         self.capture = capture
-        self.buckets = batch_buckets(state.max_slots)
+        self.buckets = batch_buckets(state.max_slots, min_rows)
         self.min_span = min_span
         self.ids = torch.zeros(state.max_slots, dtype=torch.long, device=state.device)
         with runtime.device(state.device):

@@ -97,6 +97,10 @@ class EngineConfig:
     runner: str = "auto"
     #: replay the decode step from CUDA graphs (lean runner on a GPU; ignored elsewhere)
     cuda_graphs: bool = True
+    #: fuse the decode step's elementwise work with ``torch.compile`` (lean runner on a GPU; ignored
+    #: elsewhere); ``None``: on where the lean runner has device graphs. Compiling takes a while the
+    #: first time on a machine (Inductor caches it)
+    compile_decode: bool | None = None
     #: prompt tokens prefilled per loop iteration (longer prompts are chunked); ``None``: 2048 on
     #: CPU, 8192 on a GPU
     prefill_chunk_tokens: int | None = None
@@ -112,6 +116,8 @@ class EngineConfig:
             raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ConfigError(f"compile_decode must be true, false or unset, got {self.compile_decode!r}")
         chunk = self.prefill_chunk_tokens
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1, got {chunk!r}")
@@ -278,6 +284,7 @@ class Engine:
         self._runner: Runner = build_runner(
             self.model, kind=self.config.runner, max_slots=self.config.max_batch_size,
             max_model_len=self.max_model_len, cuda_graphs=self.config.cuda_graphs,
+            compile_decode=self.config.compile_decode,
         )
         on_host = self.device.type == "cpu"
         self._chunk_tokens = self.config.prefill_chunk_tokens or (2048 if on_host else 8192)

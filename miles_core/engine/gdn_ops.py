@@ -110,25 +110,24 @@ FlaStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 
 def recurrent_decode(
-    qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     eps: torch.Tensor, sqrt_dk: torch.Tensor, fla_step: FlaStep | None = None,
 ) -> torch.Tensor:
     """One gated-delta-rule step per row, ``state`` ``[n, Hv, Dk, Dv]`` (fp32) updated in place.
 
-    ``qk`` ``[n, 2 * Hk, Dk]``: queries then keys, not yet normalised; ``v`` ``[n, Hv, Dv]``,
-    ``g``/``beta`` ``[n, Hv]``; ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse
-    (0-dim tensors). Value head ``j`` reads key head ``j // (Hv // Hk)`` (transformers'
-    ``repeat_interleave``). Returns ``[n, Hv, Dv]`` fp32. ``fla_step`` (:func:`fla_recurrent_step`)
-    runs it as fla's fused kernel instead of in torch.
+    ``q``/``k`` ``[n, Hk, Dk]``, not yet normalised; ``v`` ``[n, Hv, Dv]``, ``g``/``beta``
+    ``[n, Hv]``; ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse (0-dim
+    tensors). Value head ``j`` reads key head ``j // (Hv // Hk)`` (transformers'
+    ``repeat_interleave``). Returns ``[n, Hv, Dv]``: fp32 in torch, ``v``'s dtype from fla's kernel
+    (``fla_step``, :func:`fla_recurrent_step`), which computes in fp32 and rounds its output.
     """
-    n, hk2, dk = qk.shape
-    hk = hk2 // 2
-    hv, dv = v.shape[1:]
     if fla_step is not None:
-        return fla_step(qk[:, :hk], qk[:, hk:], v, g, beta, state)
+        return fla_step(q, k, v, g, beta, state)
+    n, hk, dk = k.shape
+    hv, dv = v.shape[1:]
     rep = hv // hk
-    qk = l2norm(qk.float(), eps)  # queries and keys normalised together
-    q, k = qk[:, :hk] / sqrt_dk, qk[:, hk:]
+    q = l2norm(q.float(), eps) / sqrt_dk
+    k = l2norm(k.float(), eps)
     s = state.view(n, hk, rep, dk, dv)
     s.mul_(g.exp().view(n, hk, rep, 1, 1))
     memory = (s * k.reshape(n, hk, 1, dk, 1)).sum(-2)  # [n, hk, rep, dv]
@@ -167,7 +166,7 @@ def _fla_in_place_decode(
         IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
         STATE_V_FIRST=False, num_warps=1, num_stages=3,
     )
-    return out.float()
+    return out
 
 
 def _fla_entry_point_decode(
@@ -180,7 +179,7 @@ def _fla_entry_point_decode(
         scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     state.copy_(final)
-    return out[:, 0].float()
+    return out[:, 0]
 
 
 #: the parameters of fla's recurrent forward kernel the in-place decode passes (fla 0.6)

@@ -19,7 +19,7 @@ token-wise layers and right-padded ``[S, L, ...]`` for the sequence mixers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -115,27 +115,31 @@ class _Fused:
     values, same ``Parameter`` objects): a weight update copied into a parameter lands in the
     buffer, and nothing is duplicated. ``save_pretrained`` clones such disjoint slices when saving.
     Layers that cannot share a buffer (different dtypes, some with a bias and some without) stay
-    separate matmuls.
+    separate matmuls. Holds tensors only (no modules), so a compiled region reading it sees inputs.
     """
 
     def __init__(self, modules: list[Any]) -> None:
-        self.modules = modules
         self.sizes = [m.weight.shape[0] for m in modules]
-        self.weight: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
         weights = [m.weight for m in modules]
         biases = [m.bias for m in modules]
         same_kind = all(w.dtype == weights[0].dtype and w.device == weights[0].device and w.dim() == 2
                         and w.shape[1] == weights[0].shape[1] and w.is_contiguous() for w in weights)
-        if not same_kind or any(b is None for b in biases) != all(b is None for b in biases):
-            return
-        self.weight = _shared_rows(weights)
-        self.bias = None if biases[0] is None else _shared_rows(biases)
+        self.fused = same_kind and all(b is None for b in biases) == any(b is None for b in biases)
+        if self.fused:
+            self.weights: list[torch.Tensor] = [_shared_rows(weights)]
+            self.biases: list[torch.Tensor | None] = [None if biases[0] is None else _shared_rows(biases)]
+        else:
+            self.weights, self.biases = weights, biases
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The shared buffer (``None`` when the layers stay separate)."""
+        return self.weights[0] if self.fused else None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.weight is not None:
-            return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
-        return [F.linear(x, m.weight, m.bias) for m in self.modules]
+        if self.fused:
+            return list(F.linear(x, self.weights[0], self.biases[0]).split(self.sizes, dim=-1))
+        return [F.linear(x, w, b) for w, b in zip(self.weights, self.biases)]
 
 
 def _shared_rows(params: list[torch.Tensor]) -> torch.Tensor:
@@ -168,7 +172,8 @@ def _shared_rows(params: list[torch.Tensor]) -> torch.Tensor:
 class _Attention:
     index: int  # among attention layers
     qkv: _Fused
-    o: Any
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
     q_norm: _Norm | None  # per-head norms (Qwen3, Qwen3.5); Llama has none
     k_norm: _Norm | None
     heads: int
@@ -190,11 +195,12 @@ class _Attention:
 class _GDN:
     index: int  # among GDN layers
     projections: _Fused  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-    conv: Any
+    conv_weight: torch.Tensor  # [channels, kernel] (a view of the depthwise conv's weight)
+    conv_bias: torch.Tensor | None
     A_log: torch.Tensor
     dt_bias: torch.Tensor
     norm: _Norm
-    out: Any
+    out_weight: torch.Tensor
     k_heads: int
     v_heads: int
     k_dim: int
@@ -209,7 +215,144 @@ class _Layer:
     post_norm: _Norm
     mixer: _Attention | _GDN
     gate_up: _Fused
-    down: Any
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+# -- token-wise arithmetic, shared by decode and prefill -------------------------------------
+# Functions of the layer records (tensors and Python scalars, no modules and no layer index):
+# a compiled decode region built from them is traced once and serves every layer of its kind.
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., heads, head_dim]``, ``cos``/``sin`` ``[..., 1, head_dim]``."""
+    return x * cos + x[..., rotate] * sin
+
+
+def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    gate, up = layer.gate_up(x)
+    return F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+
+
+def _qkv(
+    m: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rotated queries ``[T, H, D]``, keys and values ``[T, kvH, D]``, and the output gate."""
+    t = x.shape[0]
+    q, k, v = m.qkv(x)
+    gate = None
+    if m.gated:
+        q, gate = q.reshape(t, m.heads, 2 * m.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(t, m.heads * m.head_dim)
+    q, k = q.reshape(t, m.heads, m.head_dim), k.reshape(t, m.kv_heads, m.head_dim)
+    if m.q_norm is None or m.k_norm is None:
+        qk = torch.cat([q, k], dim=1)
+    elif m.q_norm.eps_value == m.k_norm.eps_value:  # per-head norms of all heads at once
+        qk = rms_norm(torch.cat([q, k], dim=1), m.qk_norm())
+    else:
+        qk = torch.cat([rms_norm(q, m.q_norm), rms_norm(k, m.k_norm)], dim=1)
+    qk = _rope(qk, cos[:, None], sin[:, None], rotate)
+    return qk[:, : m.heads], qk[:, m.heads :], v.reshape(t, m.kv_heads, m.head_dim), gate
+
+
+def _attention_out(m: _Attention, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return F.linear(out, m.o_weight, m.o_bias)
+
+
+def _gdn_projections(m: _GDN, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv, z, b, a = m.projections(x)
+    beta = torch.sigmoid(b)
+    g = -_fp32(m.A_log).exp() * F.softplus(_fp32(a) + m.dt_bias)
+    return qkv, z, beta, g
+
+
+def _gdn_out(m: _GDN, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gated RMSNorm of ``core`` ``[T, Hv, Dv]`` with gate ``z`` ``[T, Hv * Dv]``, then the output projection."""
+    t = core.shape[0]
+    normed = rms_norm(core if core.dtype == dtype else core.to(dtype), m.norm)
+    y = normed * F.silu(_fp32(z.view(t, m.v_heads, m.v_dim)))
+    return F.linear((y if y.dtype == dtype else y.to(dtype)).view(t, m.v_heads * m.v_dim), m.out_weight)
+
+
+def _split_qkv(m: _GDN, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = m.k_heads * m.k_dim
+    lead = mixed.shape[:-1]
+    q = mixed[..., :key].reshape(*lead, m.k_heads, m.k_dim)
+    k = mixed[..., key : 2 * key].reshape(*lead, m.k_heads, m.k_dim)
+    v = mixed[..., 2 * key :].reshape(*lead, m.v_heads, m.v_dim)
+    return q, k, v
+
+
+def _logits(final_norm: _Norm, lm_head: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return _fp32(F.linear(rms_norm(h, final_norm), lm_head))
+
+
+# -- decode regions: everything of a decode step between its cache kernels -------------------
+# (fla's recurrent step and attention over the KV cache stay outside, as do the cache writes: a
+# compiler must not functionalise the slot tensors into copies)
+
+GDNInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _gdn_project(layer: _Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm and projections of a GDN layer (prefill): ``qkv``, ``z``, ``beta``, ``g``."""
+    m = layer.mixer
+    assert isinstance(m, _GDN)
+    return _gdn_projections(m, rms_norm(h, layer.input_norm))
+
+
+def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor, contiguous: bool) -> GDNInputs:
+    """Norm, projections and the causal-conv step (``conv`` updated in place) of a GDN layer:
+    queries ``[n, Hk, Dk]``, keys, values ``[n, Hv, Dv]``, ``g``, ``beta`` ``[n, Hv]`` and the gate ``z``."""
+    m = layer.mixer
+    assert isinstance(m, _GDN)
+    qkv, z, beta, g = _gdn_projections(m, rms_norm(h, layer.input_norm))
+    mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv_weight, m.conv_bias))
+    q, k, v = _split_qkv(m, mixed if mixed.dtype == h.dtype else mixed.to(h.dtype))
+    if contiguous:  # what fla's kernel reads
+        return q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), z
+    return q, k, v, g, beta, z
+
+
+def _gdn_rest(layer: _Layer, h: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The GDN layer after its recurrent step: gated norm, output projection, residual, MLP."""
+    m = layer.mixer
+    assert isinstance(m, _GDN)
+    h = h + _gdn_out(m, core, z, h.dtype)
+    return h + _mlp(layer, rms_norm(h, layer.post_norm))
+
+
+def _attention_in(
+    layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    m = layer.mixer
+    assert isinstance(m, _Attention)
+    return _qkv(m, rms_norm(h, layer.input_norm), cos, sin, rotate)
+
+
+def _attention_rest(layer: _Layer, h: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    m = layer.mixer
+    assert isinstance(m, _Attention)
+    h = h + _attention_out(m, out, gate)
+    return h + _mlp(layer, rms_norm(h, layer.post_norm))
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """The decode step's regions, plain or compiled (:meth:`LeanModel.compile_decode`)."""
+
+    gdn_in: Any = _gdn_in
+    gdn_project: Any = _gdn_project
+    gdn_rest: Any = _gdn_rest
+    attention_in: Any = _attention_in
+    attention_rest: Any = _attention_rest
+    logits: Any = _logits
+    compiled: bool = False
+
+
+_PLAIN = _Regions()
 
 
 @dataclass
@@ -227,6 +370,9 @@ class Prefill:
     cu_seqlens_cpu: torch.Tensor  # the same on the host
     width: int  # L
     keys: int  # attention span: max(start + length)
+    token_rows: torch.Tensor  # [T]: each token's row
+    #: causal masks built by the first attention layer, for the others (see ``_prefill_mask``)
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class LeanModel:
@@ -251,16 +397,17 @@ class LeanModel:
             if hasattr(layer, "linear_attn"):
                 m = layer.linear_attn
                 mixer: _Attention | _GDN = _GDN(
-                    gdn, _Fused([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]), m.conv1d, m.A_log, m.dt_bias,
-                    _norm(m.norm, False), m.out_proj, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
-                    gdn_ops.activation(m.activation), _const(m.head_k_dim**0.5, self.device),
+                    gdn, _Fused([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]), m.conv1d.weight[:, 0],
+                    m.conv1d.bias, m.A_log, m.dt_bias, _norm(m.norm, False), m.out_proj.weight, m.num_k_heads,
+                    m.num_v_heads, m.head_k_dim, m.head_v_dim, gdn_ops.activation(m.activation),
+                    _const(m.head_k_dim**0.5, self.device),
                 )
                 gdn += 1
             else:
                 m = layer.self_attn
                 config = model.config
                 mixer = _Attention(
-                    attention, _Fused([m.q_proj, m.k_proj, m.v_proj]), m.o_proj,
+                    attention, _Fused([m.q_proj, m.k_proj, m.v_proj]), m.o_proj.weight, m.o_proj.bias,
                     _norm(m.q_norm, zero_centred) if hasattr(m, "q_norm") else None,
                     _norm(m.k_norm, zero_centred) if hasattr(m, "k_norm") else None,
                     config.num_attention_heads, config.num_key_value_heads,
@@ -269,7 +416,8 @@ class LeanModel:
                 attention += 1
             self.layers.append(_Layer(_norm(layer.input_layernorm, zero_centred),
                                       _norm(layer.post_attention_layernorm, zero_centred),
-                                      mixer, _Fused([layer.mlp.gate_proj, layer.mlp.up_proj]), layer.mlp.down_proj))
+                                      mixer, _Fused([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                                      layer.mlp.down_proj.weight, layer.mlp.down_proj.bias))
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
         self.l2_eps = _const(1e-6, self.device)  # transformers' and fla's l2norm epsilon
@@ -297,6 +445,19 @@ class LeanModel:
         self.sdpa = on_accelerator
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
         self.fuse_norms(on_accelerator)
+        self.regions = _PLAIN
+
+    def compile_decode(self, backend: str = "inductor") -> None:
+        """Run the decode step's regions through ``torch.compile`` (fused kernels: a small-gpu step
+        launches ~1,100 kernels eagerly, most of them elementwise). Each region is traced once for
+        every layer of its kind, with the batch dimension dynamic (decode batches must have >= 2
+        rows: size 1 would be specialised into a second trace); fla's step, attention over the cache
+        and the cache writes stay eager."""
+        def compiled(fn: Any) -> Any:
+            return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+        self.regions = _Regions(compiled(_gdn_in), compiled(_gdn_project), compiled(_gdn_rest),
+                                compiled(_attention_in), compiled(_attention_rest), compiled(_logits), compiled=True)
 
     def norms(self) -> list[_Norm]:
         out = [self.final_norm]
@@ -320,69 +481,10 @@ class LeanModel:
         g = gdn[0] if gdn else None
         return StateShapes(
             attention_layers=len(attn), kv_heads=a.kv_heads if a else 0, head_dim=a.head_dim if a else 0,
-            gdn_layers=len(gdn), conv_channels=g.conv.weight.shape[0] if g else 0,
-            conv_kernel=g.conv.weight.shape[-1] if g else 0, v_heads=g.v_heads if g else 0,
+            gdn_layers=len(gdn), conv_channels=g.conv_weight.shape[0] if g else 0,
+            conv_kernel=g.conv_weight.shape[-1] if g else 0, v_heads=g.v_heads if g else 0,
             k_dim=g.k_dim if g else 0, v_dim=g.v_dim if g else 0,
         )
-
-    # -- shared pieces ----------------------------------------------------------------------
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., heads, head_dim]``, ``cos``/``sin`` ``[..., 1, head_dim]``."""
-        return x * cos + x[..., self.rotate] * sin
-
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(x)
-        return F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
-
-    def _qkv(
-        self, m: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rotated queries ``[T, H, D]``, keys and values ``[T, kvH, D]``, and the output gate."""
-        t = x.shape[0]
-        q, k, v = m.qkv(x)
-        gate = None
-        if m.gated:
-            q, gate = q.reshape(t, m.heads, 2 * m.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(t, m.heads * m.head_dim)
-        q, k = q.reshape(t, m.heads, m.head_dim), k.reshape(t, m.kv_heads, m.head_dim)
-        if m.q_norm is None or m.k_norm is None:
-            qk = torch.cat([q, k], dim=1)
-        elif m.q_norm.eps_value == m.k_norm.eps_value:  # per-head norms of all heads at once
-            qk = rms_norm(torch.cat([q, k], dim=1), m.qk_norm())
-        else:
-            qk = torch.cat([rms_norm(q, m.q_norm), rms_norm(k, m.k_norm)], dim=1)
-        qk = self._rope(qk, cos[:, None], sin[:, None])
-        return qk[:, : m.heads], qk[:, m.heads :], v.reshape(t, m.kv_heads, m.head_dim), gate
-
-    def _attention_out(self, m: _Attention, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return F.linear(out, m.o.weight, m.o.bias)
-
-    def _gdn_projections(self, m: _GDN, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv, z, b, a = m.projections(x)
-        beta = torch.sigmoid(b)
-        g = -_fp32(m.A_log).exp() * F.softplus(_fp32(a) + m.dt_bias)
-        return qkv, z, beta, g
-
-    def _gdn_out(self, m: _GDN, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Gated RMSNorm of ``core`` ``[T, Hv, Dv]`` with gate ``z`` ``[T, Hv * Dv]``, then the output projection."""
-        t = core.shape[0]
-        normed = rms_norm(core if core.dtype == self.dtype else core.to(self.dtype), m.norm)
-        y = normed * F.silu(_fp32(z.view(t, m.v_heads, m.v_dim)))
-        return F.linear((y if y.dtype == self.dtype else y.to(self.dtype)).view(t, m.v_heads * m.v_dim), m.out.weight)
-
-    def _split_qkv(self, m: _GDN, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = m.k_heads * m.k_dim
-        lead = mixed.shape[:-1]
-        q = mixed[..., :key].reshape(*lead, m.k_heads, m.k_dim)
-        k = mixed[..., key : 2 * key].reshape(*lead, m.k_heads, m.k_dim)
-        v = mixed[..., 2 * key :].reshape(*lead, m.v_heads, m.v_dim)
-        return q, k, v
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return _fp32(F.linear(rms_norm(h, self.final_norm), self.lm_head.weight))
 
     # -- decode -----------------------------------------------------------------------------
 
@@ -394,6 +496,7 @@ class LeanModel:
         synchronisation: the step can be captured in a CUDA graph.
         """
         n = ids.shape[0]
+        regions = self.regions
         positions = state.lengths[:n]
         rows = self.arange[:n]
         cos, sin = self.cos[positions], self.sin[positions]
@@ -403,13 +506,21 @@ class LeanModel:
         else:  # additive bias for the batched-matmul attention below
             mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
         h = F.embedding(ids, self.embed.weight)
+        mark = _batch_dynamic if regions.compiled else _no_mark
+        mark(h, cos, sin)
+        contiguous = self.fla_step is not None
         for layer in self.layers:
-            x = rms_norm(h, layer.input_norm)
             m = layer.mixer
             if isinstance(m, _GDN):
-                x = self._gdn_decode(m, x, state, n)
+                conv = state.conv[m.index, :n]
+                mark(conv)
+                q, k, v, g, beta, z = regions.gdn_in(layer, h, conv, contiguous)
+                core = gdn_ops.recurrent_decode(q, k, v, g, beta, state.recurrent[m.index, :n], self.l2_eps,
+                                                m.sqrt_dk, self.fla_step)
+                mark(core, z)
+                h = regions.gdn_rest(layer, h, core, z)
             else:
-                q, k, v, gate = self._qkv(m, x, cos, sin)
+                q, k, v, gate = regions.attention_in(layer, h, cos, sin, self.rotate)
                 keys, values = state.keys[m.index], state.values[m.index]
                 if state.keys_transposed:
                     keys[rows, :, :, positions] = k
@@ -419,11 +530,11 @@ class LeanModel:
                     span_keys = keys[:n, :, :span]
                 values[rows, :, positions] = v
                 out = self._decode_attention(m, q, span_keys, values[:n, :, :span], mask, state.keys_transposed)
-                x = self._attention_out(m, out, gate)
-            h = h + x
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm))
+                mark(out, *(() if gate is None else (gate,)))
+                h = regions.attention_rest(layer, h, out, gate)
+            mark(h)
         positions.add_(1)
-        return self._logits(h)
+        return regions.logits(self.final_norm, self.lm_head.weight, h)
 
     def _decode_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           mask: torch.Tensor, keys_transposed: bool) -> torch.Tensor:
@@ -436,7 +547,7 @@ class LeanModel:
         which one thread runs faster than SDPA's CPU kernel for one query.
         """
         n, rep = q.shape[0], m.heads // m.kv_heads
-        grouped = q.view(n, m.kv_heads, rep, m.head_dim)
+        grouped = q.reshape(n, m.kv_heads, rep, m.head_dim)
         if self.sdpa:
             keys = keys.transpose(2, 3) if keys_transposed else keys
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=m.scale)
@@ -448,17 +559,6 @@ class LeanModel:
         out = torch.bmm(probs.to(q.dtype).view(n * m.kv_heads, rep, span), values.flatten(0, 1))
         return out.view(n, m.heads * m.head_dim)
 
-    def _gdn_decode(self, m: _GDN, x: torch.Tensor, state: SlotState, n: int) -> torch.Tensor:
-        qkv, z, beta, g = self._gdn_projections(m, x)
-        conv = state.conv[m.index, :n]
-        mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv.weight[:, 0], m.conv.bias))
-        mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)
-        key = m.k_heads * m.k_dim
-        qk = mixed[:, : 2 * key].view(n, 2 * m.k_heads, m.k_dim)
-        v = mixed[:, 2 * key :].view(n, m.v_heads, m.v_dim)
-        core = gdn_ops.recurrent_decode(qk, v, g, beta, state.recurrent[m.index, :n], self.l2_eps, m.sqrt_dk, self.fla_step)
-        return self._gdn_out(m, core, z)
-
     # -- prefill ----------------------------------------------------------------------------
 
     def prefill_batch(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> Prefill:
@@ -468,10 +568,12 @@ class LeanModel:
         ids: list[int] = []
         positions: list[int] = []
         packed_index: list[int] = []
+        token_rows: list[int] = []
         last: list[int] = []
         cu = [0]
-        for s, (start, chunk) in enumerate(zip(starts, chunks)):
+        for s, (row, start, chunk) in enumerate(zip(rows, starts, chunks)):
             ids.extend(chunk)
+            token_rows.extend([row] * len(chunk))
             positions.extend(range(start, start + len(chunk)))
             packed_index.extend(range(s * width, s * width + len(chunk)))
             cu.append(cu[-1] + len(chunk))
@@ -482,37 +584,43 @@ class LeanModel:
             ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=lengths_t,
             packed_index=tensor(packed_index),
             last=tensor(last), cu_seqlens=tensor(cu), cu_seqlens_cpu=torch.tensor(cu), width=width,
-            keys=max(s + n for s, n in zip(starts, lengths)),
+            keys=max(s + n for s, n in zip(starts, lengths)), token_rows=tensor(token_rows),
         )
 
     def prefill(self, state: SlotState, batch: Prefill) -> torch.Tensor:
         """Run the batch's chunks into their rows; logits ``[S, vocab]`` (fp32) at each segment's last token.
 
         The rows' state before the chunk is their state after ``starts[i]`` tokens (fresh rows must
-        have been reset). ``state.lengths`` of the rows become ``start + length``.
+        have been reset). ``state.lengths`` of the rows become ``start + length``. The token-wise
+        work goes through the decode step's regions (compiled ones too, the token axis dynamic),
+        except for a single token, which a compiled region would trace again for size 1.
         """
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         h = F.embedding(batch.ids, self.embed.weight)
+        regions = self.regions if h.shape[0] > 1 else _PLAIN
+        mark = _batch_dynamic if regions.compiled else _no_mark
+        mark(h, cos, sin)
         for layer in self.layers:
-            x = rms_norm(h, layer.input_norm)
             m = layer.mixer
             if isinstance(m, _GDN):
-                x = self._gdn_prefill(m, x, state, batch)
+                qkv, z, beta, g = regions.gdn_project(layer, h)
+                core = self._gdn_prefill(m, qkv, beta, g, state, batch)
+                mark(core, z)
+                h = regions.gdn_rest(layer, h, core, z)
             else:
-                q, k, v, gate = self._qkv(m, x, cos, sin)
+                q, k, v, gate = regions.attention_in(layer, h, cos, sin, self.rotate)
                 keys, values = state.keys[m.index], state.values[m.index]
-                token_rows = batch.rows.repeat_interleave(batch.lengths, output_size=x.shape[0])
                 if state.keys_transposed:
-                    keys[token_rows, :, :, batch.positions] = k
+                    keys[batch.token_rows, :, :, batch.positions] = k
                 else:
-                    keys[token_rows, :, batch.positions] = k
-                values[token_rows, :, batch.positions] = v
+                    keys[batch.token_rows, :, batch.positions] = k
+                values[batch.token_rows, :, batch.positions] = v
                 out = self._prefill_attention(m, self._pad(q, batch), keys, values, batch, state.keys_transposed)
-                x = self._attention_out(m, out, gate)
-            h = h + x
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm))
+                mark(out, *(() if gate is None else (gate,)))
+                h = regions.attention_rest(layer, h, out, gate)
+            mark(h)
         state.lengths[batch.rows] = batch.starts + batch.lengths
-        return self._logits(h[batch.last])
+        return _logits(self.final_norm, self.lm_head.weight, h[batch.last])
 
     def _prefill_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            batch: Prefill, keys_transposed: bool) -> torch.Tensor:
@@ -521,24 +629,37 @@ class LeanModel:
         (their outputs are dropped). Query heads sharing a KV head are stacked on the query axis."""
         segments, width, span = batch.rows.shape[0], batch.width, batch.keys
         rep = m.heads // m.kv_heads
-        q_pos = batch.starts[:, None] + self.arange[:width][None, :]
-        allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
         v = values[batch.rows, :, :span]  # [S, kvH, span, D]
         k = keys[batch.rows, :, :, :span] if keys_transposed else keys[batch.rows, :, :span]  # [S, kvH, D, span] or as v
         grouped = q.view(segments, width, m.kv_heads, rep, m.head_dim).permute(0, 2, 3, 1, 4)  # [S, kvH, rep, L, D]
         grouped = grouped.reshape(segments, m.kv_heads, rep * width, m.head_dim)
         if self.sdpa:
-            mask = allowed[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
             k = k.transpose(2, 3) if keys_transposed else k
-            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=m.scale)
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=self._prefill_mask(batch, rep), scale=m.scale)
         else:
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
+            bias = self._prefill_mask(batch, 0)
             k_t = k.flatten(0, 1) if keys_transposed else k.flatten(0, 1).transpose(1, 2)
             scores = torch.bmm((grouped * m.scaling).flatten(0, 1), k_t)
             probs = (_fp32(scores).view(segments, m.kv_heads, rep, width, span) + bias[:, None, None]).softmax(-1)
             out = torch.bmm(probs.to(q.dtype).view(segments * m.kv_heads, rep * width, span), v.flatten(0, 1))
         out = out.view(segments, m.kv_heads, rep, width, m.head_dim).permute(0, 3, 1, 2, 4)
         return self._unpad(out.reshape(segments, width, m.heads * m.head_dim), batch)
+
+    def _prefill_mask(self, batch: Prefill, rep: int) -> torch.Tensor:
+        """The causal mask of the batch's segments against their rows' keys, built once per batch:
+        SDPA's boolean ``[S, 1, rep * L, span]`` for ``rep`` stacked query heads, or (``rep = 0``)
+        the matmul path's additive fp32 bias ``[S, L, span]``."""
+        mask = batch.masks.get(rep)
+        if mask is None:
+            segments, width, span = batch.rows.shape[0], batch.width, batch.keys
+            q_pos = batch.starts[:, None] + self.arange[:width][None, :]
+            allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
+            if rep:
+                mask = allowed[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
+            else:
+                mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
+            batch.masks[rep] = mask
+        return mask
 
     def _pad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
         """Packed ``[T, ...]`` -> right-padded ``[S, L, ...]`` (zeros in the padding)."""
@@ -549,20 +670,33 @@ class LeanModel:
     def _unpad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
         return x.reshape(-1, *x.shape[2:])[batch.packed_index]
 
-    def _gdn_prefill(self, m: _GDN, x: torch.Tensor, state: SlotState, batch: Prefill) -> torch.Tensor:
-        qkv, z, beta, g = self._gdn_projections(m, x)
+    def _gdn_prefill(self, m: _GDN, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: SlotState,
+                     batch: Prefill) -> torch.Tensor:
+        """The causal conv and the chunked recurrence of the batch's segments (their rows' conv
+        windows and recurrent states updated); the recurrence's output ``[T, Hv, Dv]``."""
         conv_rows = state.conv[m.index]
         out, window = gdn_ops.conv_prefill(
-            self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv.weight[:, 0], m.conv.bias
+            self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv_weight, m.conv_bias
         )
         conv_rows[batch.rows] = window
         mixed = m.act(out)
         mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)  # [S, L, C]
-        q, k, v = self._split_qkv(m, mixed)
+        q, k, v = _split_qkv(m, mixed)
         recurrent = state.recurrent[m.index]
         core, final = gdn_ops.chunk_prefill(
             q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows], batch.packed_index,
             batch.cu_seqlens, batch.cu_seqlens_cpu,
         )
         recurrent[batch.rows] = final
-        return self._gdn_out(m, core, z)
+        return core
+
+
+def _no_mark(*tensors: torch.Tensor) -> None:
+    """What the plain regions need instead of :func:`_batch_dynamic`: nothing."""
+
+
+def _batch_dynamic(*tensors: torch.Tensor) -> None:
+    """Mark dim 0 (decode rows, prefill tokens) dynamic for the compiled regions, so that one trace
+    serves every graph bucket and prefill length (of two or more: a size of 1 is specialised)."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)

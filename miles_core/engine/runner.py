@@ -49,7 +49,8 @@ class Runner(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def build_runner(model: Any, *, kind: str, max_slots: int, max_model_len: int, cuda_graphs: bool) -> Runner:
+def build_runner(model: Any, *, kind: str, max_slots: int, max_model_len: int, cuda_graphs: bool,
+                 compile_decode: bool | None = None) -> Runner:
     """The runner ``kind`` asks for (``auto``: lean when the architecture has a lean forward)."""
     if kind not in RUNNERS:
         raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}; got {kind!r}")
@@ -58,13 +59,15 @@ def build_runner(model: Any, *, kind: str, max_slots: int, max_model_len: int, c
         raise ConfigError(f"runner 'lean' cannot run this model: {reason}")
     if kind == "hf" or reason:
         return HFRunner(model, max_slots=max_slots, max_model_len=max_model_len, fallback_reason=reason)
-    return LeanRunner(model, max_slots=max_slots, max_model_len=max_model_len, cuda_graphs=cuda_graphs)
+    return LeanRunner(model, max_slots=max_slots, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                      compile_decode=compile_decode)
 
 
 class LeanRunner:
     name = "lean"
 
-    def __init__(self, model: Any, *, max_slots: int, max_model_len: int, cuda_graphs: bool, staging: int = 2) -> None:
+    def __init__(self, model: Any, *, max_slots: int, max_model_len: int, cuda_graphs: bool,
+                 compile_decode: bool | None = None, staging: int = 2) -> None:
         self.model = LeanModel(model, max_model_len=max_model_len, max_rows=max_slots + staging)
         self.max_slots = max_slots
         self.staging = staging
@@ -76,14 +79,20 @@ class LeanRunner:
         self.lengths = self.state.host_lengths
         # where the backend claims device graphs (CUDA, ROCm): decode steps padded to graph buckets,
         # replayed unless cuda_graphs=False
+        # and (unless compile_decode=False) the step's regions compiled, on buckets of >= 2 rows
         self.graphs = None
+        self.compiled = False
         from miles_core.hardware.devices import graph_runtime
 
         runtime = graph_runtime(self.model.device)
         if runtime is not None:
             from miles_core.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model.decode, self.state, runtime, capture=cuda_graphs)
+            self.compiled = compile_decode is not False
+            if self.compiled:
+                self.model.compile_decode()
+            self.graphs = DecodeGraphs(self.model.decode, self.state, runtime, capture=cuda_graphs,
+                                       min_rows=2 if self.compiled else 1)
 
     def reset_rows(self, rows: list[int]) -> None:
         self.state.reset_rows(rows)
@@ -115,7 +124,8 @@ class LeanRunner:
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"runner": self.name, "kv_capacity": self.state.capacity,
-                                "cuda_graphs": self.graphs is not None and self.graphs.capture}
+                                "cuda_graphs": self.graphs is not None and self.graphs.capture,
+                                "compiled_decode": self.compiled}
         if self.graphs is not None and self.graphs.capture:
             info.update(graphs=len(self.graphs.graphs), graph_captures=self.graphs.captures,
                         graph_replays=self.graphs.replays)

@@ -161,9 +161,9 @@ def test_negative_control_dropping_the_recurrent_state_is_caught(tiny_dir, teach
 
         real_step = gdn_ops.recurrent_decode
 
-        def forgetful_step(qk, v, g, beta, state, *args):
+        def forgetful_step(q, k, v, g, beta, state, *args):
             state.zero_()
-            return real_step(qk, v, g, beta, state, *args)
+            return real_step(q, k, v, g, beta, state, *args)
 
         monkeypatch.setattr(gdn_ops, "recurrent_decode", forgetful_step)
     with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=2, runner=runner)) as broken:

@@ -138,3 +138,48 @@ def test_batch_buckets_cover_every_batch_size() -> None:
         assert buckets[-1] == max_rows and buckets == sorted(set(buckets))
         assert all(any(b >= n for b in buckets) for n in range(1, max_rows + 1))
     assert batch_buckets(64)[:5] == [1, 2, 4, 8, 16]
+
+
+def test_compiled_decode_regions_trace_once_per_layer_kind_and_equal_the_plain_step() -> None:
+    """On a GPU the decode step's (and prefill's) token-wise regions run through ``torch.compile``:
+    each must be traced once for all layers of its kind, all graph buckets and prefill lengths
+    (else every layer recompiles, and past dynamo's recompile limit it silently falls back to
+    eager), and the compiled forward must give the plain one's logits. Here with ``aot_eager`` (dynamo's trace plus AOT functionalisation of the
+    conv window's in-place update, run as aten ops): the fp32 arithmetic of the plain step up to
+    the summation order of decomposed ops (<= 1e-5, as the other paths in this file)."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from miles_core.engine.presets import TINY
+
+    text = {**TINY.text_config, "num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention"] * 2}
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(vocab_size=256, **text)).eval()
+
+    def decode_steps(compiled: bool) -> list[torch.Tensor]:
+        lean = LeanModel(model, max_model_len=128, max_rows=16)
+        lean.sdpa = True
+        lean.fuse_norms(True)
+        if compiled:
+            lean.compile_decode("aot_eager")
+        state = SlotState(lean.state_shapes(), max_slots=16, staging=0, max_model_len=128, dtype=torch.float32,
+                          device=torch.device("cpu"), keys_transposed=False)
+        out = []
+        with torch.inference_mode():
+            state.reset_rows(list(range(16)))
+            lean.prefill(state, lean.prefill_batch(list(range(16)), [0] * 16, [[i + 1, 2 * i + 3, 5] for i in range(16)]))
+            for step, n in enumerate([16, 8, 2, 4, 16, 2]):  # graph buckets, shrinking and growing
+                ids = torch.tensor([(7 * step + 3 * i) % 256 for i in range(n)])
+                out.append(lean.decode(state, ids, 4 + step))
+        return out
+
+    torch._dynamo.reset()
+    counters.clear()
+    plain = decode_steps(compiled=False)
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = decode_steps(compiled=True)
+    # gdn project (prefill) / in (decode) / rest, attention in / rest, logits: prefill and decode
+    # share the token-wise regions
+    assert counters["stats"]["unique_graphs"] == 6
+    assert _close(compiled, plain) <= 1e-5
+    torch._dynamo.reset()
