@@ -13,7 +13,9 @@ the thread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import logging
 import socket
 import threading
 import time
@@ -25,6 +27,8 @@ from miles_core.errors import ConfigError, MilesError
 from miles_core.plugins import MilesPluginManager
 from miles_core.session.base import PromptTokenizer
 from miles_core.session.config import SessionServerConfig
+
+logger = logging.getLogger("uvicorn.error")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -64,7 +68,97 @@ def uvicorn_server(
         app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
         http=coalescing_http_protocol(),
     )
-    return uvicorn.Server(config)
+    return _server_class()(config)
+
+
+def _server_class() -> type:
+    """``uvicorn.Server`` accepting every waiting connection at once (:class:`_Acceptor`)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            if sockets is None:  # uvicorn binds its own listener (not how miles serves)
+                await super().startup(sockets)
+                return
+            await super().startup([])  # the lifespan and the server state, no listener of uvicorn's
+            config = self.config
+
+            def protocol() -> asyncio.Protocol:
+                return config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config, server_state=self.server_state, app_state=self.lifespan.state
+                )
+
+            loop = asyncio.get_running_loop()
+            self.servers = [_Acceptor(loop, sock, protocol, config.backlog) for sock in sockets]  # type: ignore[misc]
+
+    return Server
+
+
+class _Acceptor:
+    """Accepts the connections waiting on a listening socket -- all of them, up to ``backlog``
+    per wake-up -- and hands each to the event loop's transport (``connect_accepted_socket``).
+
+    uvloop's own server (libuv >= 1.45) accepts one connection per event-loop iteration. With
+    1,024 agents the loop's iterations grew to 0.2-0.4 s (every iteration serves the turns whose
+    bytes arrived), so the accept queue drained at ~4 connections/s: agents that connected last
+    waited up to 21 s for their first turn while connected agents were served
+    (``benchmarks/session_overhead.py --sessions 1024``). Accepting what is waiting puts
+    newcomers' requests in the same iteration as everyone else's, as asyncio's own loop does.
+    Stands in for the ``asyncio.Server`` uvicorn closes at shutdown.
+    """
+
+    #: after running out of file descriptors, wait this long before accepting again (asyncio's)
+    RETRY_S = 1.0
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: Any, backlog: int
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._protocol = protocol
+        self._backlog = max(1, backlog)
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        sock.setblocking(False)
+        loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(self._backlog):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                # out of descriptors or memory: the connections stay queued in the kernel
+                logger.error("cannot accept a connection: %s; retrying in %.0f s", exc, self.RETRY_S)
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop.call_later(self.RETRY_S, self._resume)
+                return
+            task = self._loop.create_task(self._connect(conn))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._protocol, conn)
+        except OSError as exc:  # the peer went away before its transport was set up
+            logger.debug("accepted connection lost before it was served: %s", exc)
+            conn.close()
+
+    def _resume(self) -> None:
+        if not self._closed:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._loop.remove_reader(self._sock.fileno())
+
+    async def wait_closed(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
 
 
 def coalescing_http_protocol() -> Any:
