@@ -127,7 +127,9 @@ def _run_stub(queue) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         sock.listen(4096)
-        server = await loop.create_server(lambda: _StubProtocol(reply), sock=sock)
+        # create_server listens again, with its own backlog (uvloop's default: 100); the session
+        # server's pool opens a connection per agent at once, and a full queue drops SYNs (1 s retry)
+        server = await loop.create_server(lambda: _StubProtocol(reply), sock=sock, backlog=4096)
         queue.put((f"http://127.0.0.1:{sock.getsockname()[1]}", os.getpid()))
         async with server:
             await server.serve_forever()
