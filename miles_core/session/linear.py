@@ -31,6 +31,8 @@ from miles_core.session.trajectory import (
 
 
 class LinearStore:
+    __slots__ = ("_head", "_revision", "_seq", "max_rollback", "max_turns")  # one per session
+
     def __init__(self, *, max_turns: int, max_rollback: int = 1) -> None:
         self.max_turns = max_turns
         self.max_rollback = max_rollback
@@ -85,4 +87,4 @@ class LinearStore:
 
     def samples(self, options: SampleOptions) -> SampleBatch:
         head = self._head
-        return assemble_samples([head] if head else [], options)
+        return assemble_samples((head,) if head else (), options)

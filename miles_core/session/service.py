@@ -89,6 +89,8 @@ def new_session_ids(n: int) -> list[str]:
 
 
 class Session:
+    __slots__ = ("_history", "_idle", "_last_turn", "closing", "committed_tokens", "id", "in_flight", "store")
+
     def __init__(self, session_id: str, store: TrajectoryStore) -> None:
         self.id = session_id
         self.store = store

@@ -268,7 +268,7 @@ def assemble_samples(leaves: Sequence[Turn], options: SampleOptions) -> SampleBa
     trained: set[int] = set()
     samples = []
     for leaf in leaves:
-        sample = assemble_sample(leaf.chain() if leaf.parent is not None else [leaf], options, trained)
+        sample = assemble_sample(leaf.chain() if leaf.parent is not None else (leaf,), options, trained)
         if sample is not None:
             samples.append(sample)
     return SampleBatch(samples, None if samples else "all_truncated")

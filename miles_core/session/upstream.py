@@ -204,7 +204,7 @@ class EngineUpstream:
         # sampling reads), the validated request and its sampling parameters
         last: tuple[ChatRequest, int, Any, engine_base.SamplingParams] | None = None
         for index, (request, prompt_ids, _) in enumerate(calls):
-            prompt = tuple(prompt_ids)
+            prompt = prompt_ids if type(prompt_ids) is tuple else tuple(prompt_ids)
             seed = request.forward.get("seed")
             if (last is not None and request.variant_of is last[0] and len(prompt) == last[1]
                     and (seed is None or (type(seed) is int and 0 <= seed < 2**63))):
