@@ -38,11 +38,15 @@ def _requests(n: int, max_tokens: int) -> list[GenerationRequest]:
     ]
 
 
-def test_tiny_fp32_on_gpu_matches_a_teacher_forced_forward(cache) -> None:
+@pytest.mark.parametrize("compile_decode", [True, False])
+def test_tiny_fp32_on_gpu_matches_a_teacher_forced_forward(cache, compile_decode: bool) -> None:
+    """The compiled step (the default on a GPU) and the eager one both give the model's log-probs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     requests = _requests(16, 24)
-    with Engine.from_pretrained(preset_dir("tiny", cache), EngineConfig(device="cuda", dtype="float32", max_batch_size=16)) as engine:
+    config = EngineConfig(device="cuda", dtype="float32", max_batch_size=16, compile_decode=compile_decode)
+    with Engine.from_pretrained(preset_dir("tiny", cache), config) as engine:
+        assert engine.runner_info()["compiled_decode"] is compile_decode
         together = engine.generate(requests)
         alone = [engine.generate([r])[0] for r in requests[:4]]
         for request, completion in zip(requests, together):
