@@ -98,8 +98,8 @@ class EngineConfig:
     #: replay the decode step from CUDA graphs (lean runner on a GPU; ignored elsewhere)
     cuda_graphs: bool = True
     #: fuse the decode step's elementwise work with ``torch.compile`` (lean runner on a GPU; ignored
-    #: elsewhere); ``None``: on where the lean runner has device graphs. Compiling takes a while the
-    #: first time on a machine (Inductor caches it)
+    #: elsewhere); ``None``: on where the lean runner has device graphs and triton imports.
+    #: Compiling takes a while the first time on a machine (Inductor caches it)
     compile_decode: bool | None = None
     #: prompt tokens prefilled per loop iteration (longer prompts are chunked); ``None``: 2048 on
     #: CPU, 8192 on a GPU

@@ -88,7 +88,9 @@ class LeanRunner:
         if runtime is not None:
             from miles_core.engine.cuda_graphs import DecodeGraphs
 
-            self.compiled = compile_decode is not False
+            self.compiled = compile_decode is True or (compile_decode is None and _inductor_available())
+            if self.compiled and not _inductor_available():
+                raise ConfigError("compile_decode=true needs triton (torch.compile's GPU backend), which does not import here")
             if self.compiled:
                 self.model.compile_decode()
             self.graphs = DecodeGraphs(self.model.decode, self.state, runtime, capture=cuda_graphs,
@@ -190,3 +192,9 @@ class HFRunner:
             info["why_not_lean"] = self.fallback_reason
         return info
 
+
+def _inductor_available() -> bool:
+    """Whether ``torch.compile`` can build GPU kernels here (Inductor generates Triton)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
