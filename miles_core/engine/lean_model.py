@@ -308,7 +308,7 @@ def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor, contiguous: bool
     queries ``[n, Hk, Dk]``, keys, values ``[n, Hv, Dv]``, ``g``, ``beta`` ``[n, Hv]`` and the gate ``z``."""
     m = layer.mixer
     assert isinstance(m, _GDN)
-    qkv, z, beta, g = _gdn_projections(m, rms_norm(h, layer.input_norm))
+    qkv, z, beta, g = _gdn_project(layer, h)
     mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv_weight, m.conv_bias))
     q, k, v = _split_qkv(m, mixed if mixed.dtype == h.dtype else mixed.to(h.dtype))
     if contiguous:  # what fla's kernel reads

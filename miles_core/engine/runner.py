@@ -88,9 +88,10 @@ class LeanRunner:
         if runtime is not None:
             from miles_core.engine.cuda_graphs import DecodeGraphs
 
-            self.compiled = compile_decode is True or (compile_decode is None and _inductor_available())
-            if self.compiled and not _inductor_available():
+            available = _inductor_available()
+            if compile_decode and not available:
                 raise ConfigError("compile_decode=true needs triton (torch.compile's GPU backend), which does not import here")
+            self.compiled = available if compile_decode is None else compile_decode
             if self.compiled:
                 self.model.compile_decode()
             self.graphs = DecodeGraphs(self.model.decode, self.state, runtime, capture=cuda_graphs,
