@@ -1,11 +1,12 @@
 """Where the train/rollout log-prob mismatch comes from (a diagnostic for issue 16's agreement target).
 
-The engine samples ``--requests`` completions; the same tokens are then scored by the trainer's
-model (transformers, prepared as the hf trainer prepares it) four ways: each sequence alone, all of
-them packed into one row (the trainer's layout), alone with the LM head in fp32, and alone by an
-fp32 copy of the model (the reference). Prints one JSON line: mean and max |delta log p| for each
-pair. If two valid bf16 computations of the trainer (alone vs packed) already differ by about as
-much as the engine and the trainer do, the gap is bf16 itself, not a kernel disagreement.
+The engine samples ``--requests`` completions; the trainer's own forward (the hf trainer's
+``target_logits`` over rows from ``pack_documents``, log-probs by ``token_logprobs``) then scores the
+same tokens with the model prepared as the trainer prepares it, once with each document in a row of
+its own and once packed as training packs them, and an fp32 copy of the model scores them alone as
+the reference. Prints one JSON line: mean and max |delta log p| for each pair. If two valid bf16
+computations of the trainer (alone vs packed) differ by about as much as the engine and the trainer
+do, the gap is bf16 itself, not a disagreement between the engine's kernels and the trainer's.
 
     python benchmarks/logprob_agreement.py --preset small-gpu --device cuda
     python benchmarks/logprob_agreement.py --preset tiny --device cpu --requests 4
@@ -14,9 +15,9 @@ much as the engine and the trainer do, the gap is bf16 itself, not a kernel disa
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -24,50 +25,39 @@ from miles_core.engine.base import GenerationRequest, SamplingParams
 from miles_core.engine.engine import Engine, EngineConfig
 from miles_core.engine.presets import preset_dir
 from miles_core.patches import prepare_model
-from miles_core.rl.trainers.hf import load_causal_lm
+from miles_core.rl.algorithms.batch import TrainDocument, pack_documents
+from miles_core.rl.algorithms.losses import token_logprobs
+from miles_core.rl.trainers.hf import load_causal_lm, target_logits
 
-Sequences = list[tuple[list[int], list[int]]]
 
-
-def score_alone(model: Any, seqs: Sequences, device: torch.device, fp32_head: bool = False) -> list[torch.Tensor]:
+def score(path: Path, dtype: str, device: torch.device, docs: Sequence[TrainDocument], max_tokens_per_row: int,
+          layouts: Sequence[bool]) -> list[torch.Tensor]:
+    """The trainer's log-prob of every response token, in document order, for each layout
+    (``packing`` as :func:`pack_documents` takes it)."""
+    model = load_causal_lm(path, dtype, device)
+    prepare_model(model, packed=True)
     out = []
     with torch.no_grad():
-        for prompt, completion in seqs:
-            ids = torch.tensor([prompt + completion], device=device)
-            if fp32_head:
-                hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
-                logits = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
-            else:
-                logits = model(input_ids=ids, use_cache=False).logits[0].float()
-            out.append(_gather(logits[len(prompt) - 1 : -1], completion, device))
+        for packing in layouts:
+            logprobs, owners = [], []
+            for row in pack_documents(docs, max_tokens_per_row, packing=packing):
+                logits = target_logits(model, row, device)
+                logprobs.append(token_logprobs(logits, row.targets.to(device)).cpu())
+                owners.append(row.advantages)  # each document's index (see main)
+            # a stable sort by document restores document order, each document's tokens in order
+            order = torch.cat(owners).argsort(stable=True)
+            out.append(torch.cat(logprobs)[order])
     return out
-
-
-def score_packed(model: Any, seqs: Sequences, device: torch.device) -> list[torch.Tensor]:
-    ids = torch.tensor([list(itertools.chain.from_iterable(p + c for p, c in seqs))], device=device)
-    positions = torch.tensor([list(itertools.chain.from_iterable(range(len(p) + len(c)) for p, c in seqs))],
-                             device=device)
-    with torch.no_grad():
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
-    out, offset = [], 0
-    for prompt, completion in seqs:
-        start = offset + len(prompt) - 1
-        out.append(_gather(logits[start : start + len(completion)], completion, device))
-        offset += len(prompt) + len(completion)
-    return out
-
-
-def _gather(logits: torch.Tensor, tokens: list[int], device: torch.device) -> torch.Tensor:
-    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0].cpu()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small-gpu")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens-per-row", type=int, default=8192, help="the trainer's row length (small-gpu's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     path = preset_dir(args.preset)
@@ -80,25 +70,22 @@ def main() -> None:
     config = EngineConfig(max_batch_size=args.requests, dtype=args.dtype, device=device.type)
     with Engine.from_pretrained(path, config) as engine:
         completions = engine.generate(requests)
-    seqs = [(list(r.input_ids), list(c.token_ids)) for r, c in zip(requests, completions)]
-    scores = {"engine": [torch.tensor(c.logprobs) for c in completions]}
-    model = load_causal_lm(path, args.dtype, device)
-    prepare_model(model, packed=True)
-    scores["trainer_alone"] = score_alone(model, seqs, device)
-    scores["trainer_packed"] = score_packed(model, seqs, device)
-    scores["trainer_fp32_head"] = score_alone(model, seqs, device, fp32_head=True)
-    del model
-    reference = load_causal_lm(path, "float32", device)
-    prepare_model(reference, packed=True)
-    scores["fp32"] = score_alone(reference, seqs, device)
+    # scoring needs no advantage: it carries the document's index through packing instead
+    docs = [
+        TrainDocument((*r.input_ids, *c.token_ids), len(c.token_ids), (1,) * len(c.token_ids), c.logprobs, float(i))
+        for i, (r, c) in enumerate(zip(requests, completions))
+    ]
+    scores = {"engine": torch.tensor([lp for c in completions for lp in c.logprobs])}
+    scores["trainer_alone"], scores["trainer_packed"] = score(path, args.dtype, device, docs, args.max_tokens_per_row,
+                                                              layouts=(False, True))
+    (scores["fp32"],) = score(path, "float32", device, docs, args.max_tokens_per_row, layouts=(False,))
 
     def delta(a: str, b: str) -> dict[str, float]:
-        diff = torch.cat([(x - y).abs() for x, y in zip(scores[a], scores[b])])
-        return {"mean": round(float(diff.mean()), 6), "max": round(float(diff.max()), 5)}
+        diff = (scores[a] - scores[b]).abs()
+        return {"mean": float(f"{float(diff.mean()):.3g}"), "max": float(f"{float(diff.max()):.3g}")}
 
     pairs = [("engine", "trainer_packed"), ("engine", "trainer_alone"), ("trainer_alone", "trainer_packed"),
-             ("engine", "fp32"), ("trainer_packed", "fp32"), ("trainer_alone", "fp32"),
-             ("trainer_fp32_head", "fp32"), ("engine", "trainer_fp32_head")]
+             ("engine", "fp32"), ("trainer_packed", "fp32"), ("trainer_alone", "fp32")]
     print(json.dumps({"preset": args.preset, "device": args.device, "dtype": args.dtype, "requests": args.requests,
                       "new_tokens": args.new_tokens, **{f"{a}~{b}": delta(a, b) for a, b in pairs}}))
 

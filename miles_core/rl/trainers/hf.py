@@ -50,6 +50,23 @@ def gathered_tensors(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+def target_logits(model: Any, row: PackedRow, device: torch.device) -> torch.Tensor:
+    """``model``'s logits at ``row``'s trained targets only, ``[K, vocab]`` (``logits_to_keep``: the
+    LM head and the log-softmax skip every other position): the trainer's forward of one row."""
+    position_ids = row.position_ids[None].to(device)
+    extra: dict[str, Any] = {}
+    if row.branches is not None:
+        extra[PACKING_KWARG] = packed_sequences(position_ids, branches=row.branches)
+    out = model(
+        input_ids=row.input_ids[None].to(device),
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=row.positions.to(device),
+        **extra,
+    )
+    return out.logits[0]
+
+
 class HFPolicy:
     """One process's part of the hf trainer: the model, its optimizer and the KL reference.
 
@@ -100,21 +117,7 @@ class HFPolicy:
         }
 
     def _forward(self, row: PackedRow, model: Any | None = None) -> torch.Tensor:
-        """Logits at the row's trained targets only (``logits_to_keep``: the LM head and the
-        log-softmax skip every other position)."""
-        model = model or self.model
-        position_ids = row.position_ids[None].to(self.device)
-        extra: dict[str, Any] = {}
-        if row.branches is not None:
-            extra[PACKING_KWARG] = packed_sequences(position_ids, branches=row.branches)
-        out = model(
-            input_ids=row.input_ids[None].to(self.device),
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=row.positions.to(self.device),
-            **extra,
-        )
-        return out.logits[0]
+        return target_logits(model or self.model, row, self.device)
 
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
         reference = (lambda row: self._forward(row, self.reference)) if self.reference is not None else None
