@@ -106,3 +106,34 @@ def test_a_run_writes_every_tracker_and_never_records_a_secret(
     assert SECRET not in captured.out + captured.err
     leaks = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaks == []
+
+
+def test_the_wandb_log_reader_reads_a_log_while_it_is_written(tmp_path: Path) -> None:
+    """close() reads W&B's transaction log while W&B's service may still be appending to it: every
+    prefix of a real log (cut anywhere, records spanning 32 KiB blocks included) reads as a prefix
+    of its records, never a cut record; a flipped byte in a complete record is reported as
+    corruption, not parsed."""
+    wandb = pytest.importorskip("wandb")
+    from miles_core.rl.trackers.wandb_tracker import CorruptLogError, _log_records
+
+    run = wandb.init(project="miles-test", dir=str(tmp_path), mode="offline",
+                     settings=wandb.Settings(silent=True, console="off"))
+    for step in range(40):  # ~3 KB a record: the log spans several blocks, some records split across them
+        run.log({"step_value": step, "text": "x" * 3000}, step=step)
+    run.finish()
+    log = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    data = log.read_bytes()
+    records = list(_log_records(log))
+    assert len(data) > 3 * 32768 and len(records) > 40
+
+    cut = tmp_path / "cut.wandb"
+    for end in sorted({*range(0, len(data), 257), *range(32768 - 16, len(data), 32768), len(data) - 1}):
+        cut.write_bytes(data[:end])
+        read = list(_log_records(cut))
+        assert read == records[: len(read)], f"cut at byte {end}"
+
+    corrupt = bytearray(data)
+    corrupt[7 + 7] ^= 0xFF  # the first record's first data byte (file header, then record header)
+    cut.write_bytes(bytes(corrupt))
+    with pytest.raises(CorruptLogError, match=r"cut.wandb: record at byte \d+ fails its checksum"):
+        list(_log_records(cut))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -66,7 +67,6 @@ class WandbSink:
             self.run.finish()
             _wait_for_exit_record(self.directory)
 
-
     def read_back(self) -> dict[int, dict[str, float]]:
         """This run's history; a resumed offline run writes a directory per process, all read here."""
         out: dict[int, dict[str, float]] = {}
@@ -83,7 +83,8 @@ FLUSH_TIMEOUT_S = 60.0
 
 def _wait_for_exit_record(directory: Path) -> None:
     """``finish()`` can return before W&B's service process has written the transaction log out;
-    the run is complete on disk once its ``exit`` record is there."""
+    the run is complete on disk once its ``exit`` record is there. The log is read while it is
+    being written: a record still running past the end of the file is not there yet."""
     import time
 
     from wandb.proto import wandb_internal_pb2
@@ -125,27 +126,44 @@ def read_run_directory(directory: Path) -> dict[int, dict[str, float]]:
 
 
 _BLOCK = 32768
+_HEADER = 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
+class CorruptLogError(ValueError):
+    """A W&B transaction log record whose checksum does not match its bytes."""
+
+
 def _log_records(path: Path) -> Iterator[bytes]:
-    """The payloads of W&B's transaction log: a 7-byte header (``:W&B``, magic, version), then
-    LevelDB-log blocks of 32 KiB holding records of ``checksum u32, length u16, type u8, data``."""
+    """The complete payloads of W&B's transaction log: a 7-byte file header (``:W&B``, magic,
+    version), then LevelDB-log blocks of 32 KiB holding records of ``checksum u32, length u16,
+    type u8, data``, the checksum being CRC-32 of the type byte and the data.
+
+    A record that runs past the end of the file is the one being appended while we read: it and
+    anything after it are left for a later read. A checksum mismatch in a record that is all
+    there is corruption, and raises naming the file and offset."""
     data = path.read_bytes()
+    if len(data) < _HEADER:
+        return
     if data[:4] != b":W&B":
         raise ValueError(f"{path} is not a W&B transaction log (header {data[:7]!r})")
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
+    pos, pending = _HEADER, b""
+    while pos + _HEADER <= len(data):
         left = _BLOCK - pos % _BLOCK
-        if left < 7:  # a block's tail too short for a record header is padding
+        if left < _HEADER:  # a block's tail too short for a record header is padding
             pos += left
             continue
-        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:  # zero padding to the end of the block
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        if kind == 0 and length == 0:  # zero padding to the end of the block, or not written yet
             pos += left
             continue
-        payload = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
+        end = pos + _HEADER + length
+        if end > len(data):
+            return
+        payload = data[pos + _HEADER : end]
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != checksum:
+            raise CorruptLogError(f"{path}: record at byte {pos} fails its checksum")
+        pos = end
         if kind == _FULL:
             yield payload
         elif kind == _FIRST:
