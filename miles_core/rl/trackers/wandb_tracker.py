@@ -146,7 +146,7 @@ def _log_records(path: Path) -> Iterator[bytes]:
     if len(data) < _HEADER:
         return
     if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B transaction log (header {data[:7]!r})")
+        raise ValueError(f"{path} is not a W&B transaction log (header {data[:_HEADER]!r})")
     pos, pending = _HEADER, b""
     while pos + _HEADER <= len(data):
         left = _BLOCK - pos % _BLOCK
@@ -154,7 +154,7 @@ def _log_records(path: Path) -> Iterator[bytes]:
             pos += left
             continue
         checksum, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-        if kind == 0 and length == 0:  # zero padding to the end of the block, or not written yet
+        if kind == 0 and length == 0:  # zero padding to the end of the block
             pos += left
             continue
         end = pos + _HEADER + length
