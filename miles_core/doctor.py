@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from miles_core.hardware.autotuning import first_config_autotuning
 from miles_core.plugins import MilesPluginManager, import_object
 
 #: ``warn``: worth the user's attention, never fails the doctor (a slow plugin, a replaced built-in)
@@ -102,17 +103,20 @@ def run_doctor(pm: MilesPluginManager, concerns: tuple[str, ...] | None = None, 
     started = time.perf_counter()
     results: list[CheckResult] = []
     seconds: dict[str, float] = {}
-    for concern, path in CONCERN_CHECKS:
-        if concerns is not None and concern not in concerns:
-            continue
-        concern_started = time.perf_counter()
-        try:
-            found = list(import_object(path)(pm))
-        except Exception as exc:
-            detail = f"{type(exc).__name__}: {exc}"
-            found = [CheckResult(concern, "activation", "fail", detail, data={"traceback": traceback.format_exc()})]
-        seconds[concern] = time.perf_counter() - concern_started
-        results.extend(found)
-        if on_concern is not None:
-            on_concern(concern, found, seconds[concern])
+    # the checks need correct kernels, not the fastest: autotuning on a fresh GPU machine compiled
+    # every config of every fla kernel (minutes of a cold doctor)
+    with first_config_autotuning():
+        for concern, path in CONCERN_CHECKS:
+            if concerns is not None and concern not in concerns:
+                continue
+            concern_started = time.perf_counter()
+            try:
+                found = list(import_object(path)(pm))
+            except Exception as exc:
+                detail = f"{type(exc).__name__}: {exc}"
+                found = [CheckResult(concern, "activation", "fail", detail, data={"traceback": traceback.format_exc()})]
+            seconds[concern] = time.perf_counter() - concern_started
+            results.extend(found)
+            if on_concern is not None:
+                on_concern(concern, found, seconds[concern])
     return DoctorReport(results, pm.fingerprint(), time.perf_counter() - started, seconds)
