@@ -173,8 +173,21 @@ def _echo(message, how):
     if how == "parts" and isinstance(message.get("content"), str):
         return {**message, "content": [{"type": "text", "text": message["content"]}]}
     if how == "numbers":  # the same JSON text value, another JSON type: must not be taken as a repeat
-        return json.loads(json.dumps(message).replace('"a": 1', '"a": 1.0').replace("true", "1"))
+        return _retyped(message)
     return message
+
+
+def _retyped(value):
+    """``value`` with ``true`` sent as ``1`` and ``1`` as ``1.0`` (equal in Python, not in JSON)."""
+    if value is True:
+        return 1
+    if type(value) is int and value == 1:
+        return 1.0
+    if isinstance(value, dict):
+        return {key: _retyped(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_retyped(item) for item in value]
+    return value
 
 
 @settings(max_examples=300, deadline=None)
