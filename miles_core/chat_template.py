@@ -21,9 +21,10 @@ only where it provably changes nothing:
   settings later can change what this one encodes. Where the process has turned the Rust
   library's parallelism off (``TOKENIZERS_PARALLELISM=false``, as ``miles session serve`` does)
   a text is encoded as a batch of one without character offsets (``encode_batch_fast``): the
-  same ids at ~half the cost (28 -> 12 us for a 100-character turn). With parallelism on, that
-  call would start the library's thread pool, and a process that forks afterwards (the local
-  sandbox does) would have each child print a warning; there the plain ``encode`` is used.
+  same ids at less cost (28 -> 12 us for a 100-character turn in a tight loop). With
+  parallelism on, that call would start the library's thread pool, and a process that forks
+  afterwards (the local sandbox does) would have each child print a warning; there the plain
+  ``encode`` is used.
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", 
     Only for a process that exists to serve: unless the environment says otherwise, the
     ``tokenizers`` library's thread pool is turned off (``TOKENIZERS_PARALLELISM=false``: the
     server encodes one short text at a time, which the pool cannot speed up, and without it
-    :meth:`~miles_core.chat_template.ChatTemplate.encode` takes the path that costs half), and
+    :meth:`~miles_core.chat_template.ChatTemplate.encode` takes its cheaper path), and
     two garbage-collector settings:
 
     * Everything alive at this point -- transformers, torch and the tokenizer, ~230k objects -- is
@@ -236,13 +236,13 @@ def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", 
       that later become cyclic garbage are never freed.
     * A young collection runs after :data:`GC_YOUNG_THRESHOLD` net new container objects
       instead of 700. Each turn leaves ~100 behind for a while (requests in flight, the
-      session's new turn), so at the default a turn in ten started one, and what those
+      session's new turn), so at the default about every seventh turn started one, and what those
       promoted -- mostly requests still in flight, garbage soon after -- made the older
-      generations' collections run often and scan more: 17 % of the server's CPU at 1,024
-      agents (``benchmarks/session_overhead.py``), 9 % with this threshold. What a young
-      collection scans per turn is the same either way; it happens in fewer, longer pauses
-      (~2 ms of CPU per 1,000 container objects alive since the last one: up to ~35 ms at 1,024
-      agents in flight, rare at 64).
+      generations' collections run often and scan more: the collector took 14 % of the
+      server's CPU at 1,024 agents (``benchmarks/session_overhead.py``), 8 % with this
+      threshold. What the young collections scan per turn is the same either way; it happens
+      in fewer, longer pauses (33 ms of CPU on average with 1,024 agents in flight, up to 17 ms
+      at 64, where they come every few seconds).
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     gc.freeze()
