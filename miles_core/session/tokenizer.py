@@ -36,6 +36,8 @@ DUMMY_HISTORY: tuple[Message, ...] = (
 
 #: renderings of the dummy history kept, one per tools + template kwargs (one per agent setup)
 DUMMY_CACHE_ENTRIES = 256
+#: the cache key of an agent setup without tools or template kwargs (most turns), made once
+_NO_SETUP_KEY = exact_json_key([None, {}])
 
 
 @quick_init
@@ -133,7 +135,7 @@ class ChatTokenizer:
         def render() -> str:
             return self._render(DUMMY_HISTORY, tools, template_kwargs, generation_prompt=False)
 
-        key = exact_json_key([tools, dict(template_kwargs)])
+        key = _NO_SETUP_KEY if tools is None and not template_kwargs else exact_json_key([tools, dict(template_kwargs)])
         return render() if key is None else self._dummy_cache.get_or_compute(key, render)
 
     def encode(self, text: str) -> tuple[int, ...]:

@@ -91,3 +91,55 @@ def test_every_path_renders_the_same_prompt(hf_tokenizer) -> None:
     reference = hf_tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
     reference = reference["input_ids"] if hasattr(reference, "keys") else reference
     assert direct == engine == list(session) == list(reference)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.lists(st.sampled_from(["a", " ", "\n", "\u00e9", "\U0001f600", "<|im_start|>", "<|im_end|>", "<think>", "<|im_", "|>"]), max_size=30).map("".join))
+def test_encoding_without_the_thread_pool_gives_the_tokenizers_ids(hf_tokenizer, text) -> None:
+    """With the tokenizers library's parallelism off (how ``miles session serve`` runs), a text is
+    encoded as a batch of one without offsets: the very ids ``tokenizer(text)`` gives, special
+    tokens and multi-byte characters included; with it on, the plain encode (same ids)."""
+    import os
+
+    renderer = ChatTemplate(hf_tokenizer)
+    expected = tuple(hf_tokenizer(text, add_special_tokens=False)["input_ids"])
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    try:
+        for value in ("false", "0", "true"):
+            os.environ["TOKENIZERS_PARALLELISM"] = value
+            assert renderer.encode(text) == expected, value
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def test_encoding_takes_the_batch_path_only_with_parallelism_off(hf_tokenizer, monkeypatch) -> None:
+    """The batch-of-one path runs only where the library's thread pool is off: started, the pool
+    would make every later fork of the process (the local sandbox's) print a warning."""
+    from miles_core import chat_template
+
+    renderer = ChatTemplate(hf_tokenizer)
+    calls: list[str] = []
+
+    class Spy:
+        def __init__(self, backend) -> None:
+            self._backend = backend
+
+        def encode(self, *args, **kwargs):
+            calls.append("encode")
+            return self._backend.encode(*args, **kwargs)
+
+        def encode_batch_fast(self, *args, **kwargs):
+            calls.append("batch")
+            return self._backend.encode_batch_fast(*args, **kwargs)
+
+    renderer._backend = Spy(renderer._backend)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    assert not chat_template.parallelism_off()
+    renderer.encode("hi")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "Off")
+    assert chat_template.parallelism_off()
+    renderer.encode("hi")
+    assert calls == ["encode", "batch"]

@@ -332,3 +332,79 @@ def test_waiting_connections_are_accepted_together_while_the_loop_is_busy() -> N
         finally:
             stop = True
     assert max(served) - min(served) < agents // 2, served  # one accept per iteration: >= 39
+
+
+def test_forwarded_headers_do_not_rewrite_the_client() -> None:
+    """The session server serves its app without uvicorn's proxy-headers middleware: an
+    ``X-Forwarded-For`` from a loopback peer (which uvicorn trusts by default) leaves the client
+    address as the connection's, and the request costs no pass over its headers."""
+    import socket
+
+    from miles_core.session.embed import run_app_in_thread
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = f"{scope['client'][0]} {scope['scheme']}".encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    with run_app_in_thread(app) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(
+                b"GET /health HTTP/1.1\r\nhost: x\r\nx-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n"
+            )
+            reply = b""
+            while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < int(
+                reply.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]
+            ):
+                chunk = sock.recv(4096)
+                assert chunk, reply
+                reply += chunk
+    assert reply.split(b"\r\n\r\n", 1)[1] == b"127.0.0.1 http"
+
+
+def test_the_serving_process_collects_young_garbage_less_often(monkeypatch) -> None:
+    """``serve_forever`` (the process of ``miles session serve``) freezes what is alive and
+    raises the young generation's collection threshold before it serves; the older generations'
+    thresholds stay as they were. Unless the environment sets it, the tokenizers library's
+    thread pool is off."""
+    import gc
+    import os
+    import socket
+
+    from miles_core.session import embed
+
+    seen: dict[str, object] = {}
+
+    class Server:
+        def run(self, sockets: list[socket.socket]) -> None:
+            seen["threshold"] = gc.get_threshold()
+            seen["frozen"] = gc.get_freeze_count()
+            seen["parallelism"] = os.environ.get("TOKENIZERS_PARALLELISM")
+
+    before = gc.get_threshold()
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # restored after the test
+    monkeypatch.setattr(embed, "uvicorn_server", lambda app, **_: Server())
+    try:
+        gc.set_threshold(700, 10, 10)
+        with socket.socket() as sock:
+            embed.serve_forever(object(), sock)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    young, *older = seen["threshold"]  # type: ignore[misc]
+    assert young >= 5_000 and older == [10, 10], seen
+    assert isinstance(seen["frozen"], int) and seen["frozen"] > 0
+    assert seen["parallelism"] == "false"  # the encoding that costs half (ChatTemplate.encode)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # a setting of the user's is kept
+    with socket.socket() as sock:
+        embed.serve_forever(object(), sock)
+    gc.unfreeze()
+    gc.set_threshold(*before)
+    assert seen["parallelism"] == "true"
