@@ -1,7 +1,8 @@
-"""``miles doctor`` runs autotuned Triton kernels on one config each (no benchmarking sweep).
+"""``miles doctor`` runs autotuned Triton kernels on one config each (no benchmarking).
 
 CI has no Triton (CPU), so the autotuner here is a stand-in with Triton 3.6's control flow: ``run``
-benchmarks every config ``prune_configs`` returns (compiling each) when a kernel has several.
+times (``_bench``: compiles and launches) every config ``prune_configs`` returns when a kernel has
+several, and takes the fastest.
 """
 
 from __future__ import annotations
@@ -23,17 +24,23 @@ class _Autotuner:
         self.configs = configs
         self.early_config_prune = early_config_prune
         self.benchmarked: list[str] = []
+        self.launched: list[str] = []
 
     def prune_configs(self, kwargs: dict[str, Any]) -> list[str]:
         if self.early_config_prune:
             return self.early_config_prune(self.configs, kwargs)
         return self.configs
 
+    def _bench(self, *args: Any, config: str, **meta: Any) -> list[float]:
+        self.launched.append(config)
+        return [float(ord(config[0]))] * 3
+
     def run(self, **kwargs: Any) -> str:
         if len(self.configs) > 1:
             pruned = self.prune_configs(kwargs)
             self.benchmarked += pruned
-            return min(pruned)
+            timings = {config: self._bench(config=config) for config in pruned}
+            return min(timings, key=timings.__getitem__)
         return self.configs[0]
 
 
@@ -53,20 +60,21 @@ def test_inside_the_context_each_kernel_benchmarks_one_config_and_after_it_all(f
         tuner = fake_triton(["c", "b", "a"])
         assert tuner.run() == "c"
         assert tuner.benchmarked == ["c"]
+        assert tuner.launched == []  # chosen without timing it
         # the kernel's own pruning still decides which configs may run at all
         pruned = fake_triton(["c", "b", "a"], early_config_prune=lambda configs, kw: configs[1:])
         pruned.run()
         assert pruned.benchmarked == ["b"]
     after = fake_triton(["c", "b", "a"])
     assert after.run() == "a"
-    assert after.benchmarked == ["c", "b", "a"]
+    assert after.benchmarked == after.launched == ["c", "b", "a"]
 
 
 def test_the_autotuner_is_restored_when_a_check_raises(fake_triton: type[_Autotuner]) -> None:
-    original = fake_triton.prune_configs
+    prune, bench = fake_triton.prune_configs, fake_triton._bench
     with pytest.raises(RuntimeError), first_config_autotuning():
         raise RuntimeError("a failing self-check")
-    assert fake_triton.prune_configs is original
+    assert (fake_triton.prune_configs, fake_triton._bench) == (prune, bench)
 
 
 def test_without_triton_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
