@@ -50,7 +50,8 @@ from miles_core.rl.checkpoint import (
     save_checkpoint,
 )
 from miles_core.rl.config import TrainConfig
-from miles_core.rl.metrics import MetricsLog, Progress, plot_run
+from miles_core.rl.metrics import MetricsLog, Progress
+from miles_core.rl.plot_worker import PlotWorker
 from miles_core.rl.rollout.types import Trajectory
 from miles_core.rl.runtime import Parts, Runtime, resolve_parts
 from miles_core.rl.tasks import Prompt
@@ -246,6 +247,17 @@ def train(
     process's start, so the progress bar and the summary include start-up); default: now.
     """
     started = time.perf_counter() if started is None else started
+    # matplotlib is imported by a child process on the core start-up and training leave idle
+    plotter = PlotWorker() if config.run.plot else None
+    try:
+        return _train(config, pm, resume, build, started, plotter)
+    finally:
+        if plotter is not None:
+            plotter.close()  # a run that ended before its plot lets the worker go
+
+
+def _train(config: TrainConfig, pm: MilesPluginManager, resume: bool, build: Build | None, started: float,
+           plotter: PlotWorker | None) -> RunResult:
     # start-up (verification, models, engine, sandbox) builds what the run keeps; the in-process
     # build collects once and freezes it (runtime.freeze_startup_heap) before collection resumes
     with gc_paused():
@@ -266,7 +278,7 @@ def train(
     failed = True
     with StopRequest() as stop:
         try:
-            result = _run(config, runtime, metrics, trackers, checkpoint, started, stop)
+            result = _run(config, runtime, metrics, trackers, checkpoint, started, stop, plotter)
             failed = False
             return result
         finally:
@@ -297,7 +309,7 @@ def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
 
 
 def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: Sequence[Tracker],
-         checkpoint: Path | None, started: float, stop: StopRequest) -> RunResult:
+         checkpoint: Path | None, started: float, stop: StopRequest, plotter: PlotWorker | None) -> RunResult:
     task, algorithm, rollout_cfg, run_cfg = runtime.parts.task, runtime.parts.algorithm, config.rollout, config.run
     prompts = list(task.prompts)
     sampler = PromptSampler(prompts, rollout_cfg.prompts_per_step, run_cfg.seed)
@@ -382,9 +394,9 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
         progress.close()
         recorder.close()
     records = metrics.read()
-    if run_cfg.plot and records:
+    if plotter is not None and records:
         final = (step + 1, accuracy) if accuracy is not None else None
-        plot_run(records, config.run_dir / "plot.png", f"miles train: {config.task.name}", final)
+        plotter.render(records, config.run_dir / "plot.png", f"miles train: {config.task.name}", final)
     result = RunResult(
         out_dir=config.run_dir,
         steps_done=step + 1,
