@@ -9,8 +9,9 @@ sends the records and waits for the PNG; the worker renders it with
 
 The worker runs in its own session, so a Ctrl-C at the terminal (which stops the run after the
 step in flight and still writes the plot) does not reach it. A run that ends without a plot
-stops it; one that dies leaves it reading the end of its stdin, and it exits. A worker that fails (matplotlib missing, a render error)
-makes :meth:`PlotWorker.render` raise with its stderr, as ``plot_run`` in the run would have.
+stops it; one that dies leaves it reading the end of its stdin, and it exits. A worker that
+fails (matplotlib missing, a render error) makes :meth:`PlotWorker.render` raise with its
+stderr, as ``plot_run`` in the run would have.
 """
 
 from __future__ import annotations

@@ -403,8 +403,10 @@ def test_the_serving_process_collects_young_garbage_less_often(monkeypatch) -> N
     assert isinstance(seen["frozen"], int) and seen["frozen"] > 0
     assert seen["parallelism"] == "false"  # the encoding that costs half (ChatTemplate.encode)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # a setting of the user's is kept
-    with socket.socket() as sock:
-        embed.serve_forever(object(), sock)
-    gc.unfreeze()
-    gc.set_threshold(*before)
+    try:
+        with socket.socket() as sock:
+            embed.serve_forever(object(), sock)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
     assert seen["parallelism"] == "true"
