@@ -9,10 +9,17 @@ One background thread owns the model. Each loop iteration
 2. runs that prefill as one batched forward and samples the first token of every request whose
    prompt it finished (a request that stops there, like a one-token GRPO sample, never takes a
    decode row: only the requests that continue get one, with a copy of the prompt's state);
-3. runs one decode step over every running sequence: one forward, batched sampling on the
+3. launches one decode step over every running sequence: one forward, batched sampling on the
    device, one device-to-host copy of the sampled tokens and their log-probs;
-4. retires the finished sequences and compacts the slots (the state of decoding sequences
-   occupies rows ``[0, n)``, so the next step works on plain views).
+4. takes the tokens of a step, retires the finished sequences and compacts the slots (the state
+   of decoding sequences occupies rows ``[0, n)``, so the next step works on plain views).
+
+On a GPU, step 4 reads the tokens of the step launched in the *previous* iteration, after step 3
+has queued the next one (``overlap_steps``): the host's bookkeeping runs while the device computes
+instead of between its steps. The next step needs nothing from the host (its input tokens are the
+sampled ones, already on the device; its random numbers depend only on each row's seed and
+position), so the tokens are those of the plain loop; a sequence that stops at step ``t`` has had
+one more row computed in step ``t + 1``, which is discarded.
 
 The forward and the per-slot state belong to a runner (:mod:`miles_core.engine.runner`): the
 engine's own lean forward for the architectures it knows (with CUDA graphs of the decode step on
@@ -65,7 +72,7 @@ from miles_core.engine.runner import RUNNERS, Runner, build_runner
 from miles_core.engine.sampling import RowParams, filters, row_values, sample_rows, uniforms
 from miles_core.engine.stopping import Stop, StopChecker, StopRule
 from miles_core.errors import ConfigError
-from miles_core.hardware.devices import bind_device, device_supports
+from miles_core.hardware.devices import bind_device, completion_event, device_supports
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +111,11 @@ class EngineConfig:
     #: prompt tokens prefilled per loop iteration (longer prompts are chunked); ``None``: 2048 on
     #: CPU, 8192 on a GPU
     prefill_chunk_tokens: int | None = None
+    #: launch decode step ``t + 1`` before reading step ``t``'s tokens back, so the loop's host
+    #: work (stop checks, retiring, the next launch) runs while the device computes: the same
+    #: tokens, and a sequence that stops at ``t`` costs one discarded row of step ``t + 1``.
+    #: ``None``: on where the device computes asynchronously (a GPU), off on CPU (nothing to hide)
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -118,6 +130,8 @@ class EngineConfig:
             raise ConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
             raise ConfigError(f"compile_decode must be true, false or unset, got {self.compile_decode!r}")
+        if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
+            raise ConfigError(f"overlap_steps must be true, false or unset, got {self.overlap_steps!r}")
         chunk = self.prefill_chunk_tokens
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1, got {chunk!r}")
@@ -258,6 +272,25 @@ class _WeightUpdate:
     future: Future
 
 
+class _StepBuffers:
+    """Host memory of one step's sampling: its random numbers (copied to the device) and its
+    tokens and log-probs (copied back); pinned where the device copies asynchronously."""
+
+    def __init__(self, rows: int, pinned: bool) -> None:
+        self.uniforms = torch.zeros(rows, dtype=torch.float64, pin_memory=pinned)
+        self.uniforms_view = self.uniforms.numpy()
+        self.results = torch.zeros((2, rows), dtype=torch.float64, pin_memory=pinned)
+
+
+@dataclass
+class _Step:
+    """A launched decode step: the sequence of each row at launch, and where its results land."""
+
+    sequences: list[_Sequence]
+    results: torch.Tensor  # [2, n] host: tokens and log-probs, valid once ``done`` has synchronised
+    done: Any  # the device event recorded after the copy (None on the host: already there)
+
+
 class Engine:
     """Continuous-batching generation over one model; thread-safe; see the module doc."""
 
@@ -291,10 +324,13 @@ class Engine:
         rows = self._runner.rows
         self._row_params = RowParams(rows, self.vocab_size, self.device)
         self._next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self._uniforms_host = torch.zeros(
-            rows, dtype=torch.float64, pin_memory=device_supports(self.device, "pinned_memory_async_copy")
-        )
-        self._uniforms_view = self._uniforms_host.numpy()
+        pinned = device_supports(self.device, "pinned_memory_async_copy")
+        self._overlap = pinned if self.config.overlap_steps is None else self.config.overlap_steps
+        # decode steps alternate between two sets of host buffers: while step t + 1 is launched,
+        # step t's copies may still be queued behind it on the device
+        self._step_buffers = (_StepBuffers(rows, pinned), _StepBuffers(rows, pinned))
+        self._first_buffers = _StepBuffers(rows, pinned)  # first tokens, sampled after a prefill
+        self._in_flight: _Step | None = None
         # per decode row: the request's seed and how many numbers its stream has given (moved with the row)
         self._row_seed = np.zeros(rows, dtype=np.uint64)
         self._row_drawn = np.zeros(rows, dtype=np.uint64)
@@ -602,6 +638,8 @@ class Engine:
         bind_device(self.device)  # streams and graph captures of this thread go to the model's device
         with torch.inference_mode():
             while True:
+                if self._in_flight is not None and not self._decoding:
+                    self._drain()  # its rows all stopped meanwhile: nothing to overlap it with
                 with self._cond:
                     while not (self._waiting or self._running_count() or self._updates or self._closed):
                         self._cond.wait()
@@ -618,9 +656,14 @@ class Engine:
                 try:
                     if plan:
                         self._prefill(plan)
-                    if self._decoding:
-                        self._decode_step()
+                    launched = self._launch_step() if self._decoding else None
+                    self._drain()  # step t's tokens, read while step t + 1 runs
+                    if launched is not None:
+                        self._in_flight = launched
+                        if not self._overlap:
+                            self._drain()
                 except Exception as exc:  # fail the affected requests loudly, keep serving others
+                    self._in_flight = None
                     with self._cond:
                         affected = {id(s): s for s in [*(seg.sequence for seg in plan), *self._running()]}
                         for sequence in affected.values():
@@ -824,14 +867,15 @@ class Engine:
             part = members[lo : lo + chunk]
             n = len(part)
             params.set_values(range(n), [m.spec.values for m in part])
+            buffers = self._first_buffers
             uniforms(np.fromiter((m.seed for m in part), dtype=np.uint64, count=n), self._first_draws[:n],
-                     out=self._uniforms_view[:n])
+                     out=buffers.uniforms_view[:n])
             index = logit_rows[lo : lo + chunk]
             rows = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=self.device)]
             specs = {m.spec for m in part}
             sampled, chosen = sample_rows(
                 rows, params.temperature[:n], params.top_k[:n], params.top_p[:n], params.greedy[:n],
-                self._uniforms_host[:n].to(self.device, non_blocking=True),
+                buffers.uniforms[:n].to(self.device, non_blocking=True),
                 filtering=any(s.filtering for s in specs), any_greedy=any(s.greedy for s in specs),
             )
             host = torch.stack([sampled.double(), chosen.double()]).cpu()
@@ -839,26 +883,43 @@ class Engine:
             logprobs.extend(host[1].tolist())
         return tokens, logprobs
 
-    def _decode_step(self) -> None:
-        """One token for every decoding sequence; retire those that stop."""
+    def _launch_step(self) -> _Step:
+        """Queue one decode step for every decoding row (forward, sampling, the copy of its tokens
+        and log-probs to the host) without waiting for it."""
         n = self._decoding
         logits = self._runner.decode(self._next_tokens[:n])
         self._counters["decode_steps"] += 1
         sequences: list[_Sequence] = self._slots[:n]  # type: ignore[assignment]  # the first _decoding slots are filled
+        buffers = self._step_buffers[self._counters["decode_steps"] % 2]
         p = self._row_params
-        uniforms(self._row_seed[:n], self._row_drawn[:n], out=self._uniforms_view[:n])
+        uniforms(self._row_seed[:n], self._row_drawn[:n], out=buffers.uniforms_view[:n])
         self._row_drawn[:n] += 1
         specs = {s.spec for s in sequences}
         tokens, logprobs = sample_rows(
             logits, p.temperature[:n], p.top_k[:n], p.top_p[:n], p.greedy[:n],
-            self._uniforms_host[:n].to(self.device, non_blocking=True),
+            buffers.uniforms[:n].to(self.device, non_blocking=True),
             filtering=any(s.filtering for s in specs), any_greedy=any(s.greedy for s in specs),
         )
         self._next_tokens[:n] = tokens
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
-        self._counters["generated_tokens"] += n
+        results = buffers.results[:, :n]
+        results[0].copy_(tokens, non_blocking=True)
+        results[1].copy_(logprobs, non_blocking=True)
+        done = completion_event(self.device)
+        if done is not None:
+            done.record()
+        return _Step(sequences, results, done)
+
+    def _finish_step(self, step: _Step) -> None:
+        """Take a launched step's tokens: append them, retire the sequences that stop. Rows of
+        sequences that finished (or were aborted) after the step was launched are discarded."""
+        if step.done is not None:
+            step.done.synchronize()
         finished: list[tuple[_Sequence, Stop]] = []
-        for sequence, token, logprob in zip(sequences, host[0].long().tolist(), host[1].tolist()):
+        accepted = 0
+        for sequence, token, logprob in zip(step.sequences, step.results[0].long().tolist(), step.results[1].tolist()):
+            if sequence.done:
+                continue
+            accepted += 1
             generated = sequence.tokens
             generated.append(token)
             sequence.logprobs.append(logprob)
@@ -871,6 +932,7 @@ class Engine:
                 stop = rule.check_token(token, len(generated))
             if stop is not None:
                 finished.append((sequence, stop))
+        self._counters["generated_tokens"] += accepted
         if not finished:
             return
         with self._cond:
@@ -878,6 +940,12 @@ class Engine:
                 self._slots[sequence.row] = None
             self._compact()
         self._retire(finished, time.perf_counter())
+
+    def _drain(self) -> None:
+        """Finish the step in flight, if any."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._finish_step(step)
 
     def _retire(self, finished: list[tuple[_Sequence, Stop]], now: float) -> None:
         for sequence, stop in finished:

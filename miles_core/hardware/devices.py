@@ -83,6 +83,13 @@ def graph_runtime(device: torch.device) -> Any:
     return _runtime(device.type)
 
 
+def completion_event(device: torch.device) -> Any:
+    """A new event of ``device``'s runtime (``record()`` it after queued work, ``synchronize()`` to
+    wait for that work), or ``None`` for the host, where queued work has already run."""
+    runtime = _runtime(device.type)
+    return None if runtime is None else runtime.Event()
+
+
 def distributed_backend() -> str:
     """The ``torch.distributed`` backend of the active hardware backend (gloo, nccl, ...)."""
     from miles_core.hardware.activation import activate
