@@ -390,8 +390,9 @@ class Engine:
         return self._runner.name
 
     def runner_info(self) -> dict[str, Any]:
-        """The runner and its state: ``runner``, ``cuda_graphs``, KV capacity, graph counts."""
-        return self._runner.describe()
+        """The runner and its state: ``runner``, ``cuda_graphs``, KV capacity, graph counts, and
+        whether decode steps overlap (``overlap_steps``)."""
+        return {**self._runner.describe(), "overlap_steps": self._overlap}
 
     def stats(self) -> dict[str, int]:
         """Queue sizes and lifetime counters (prefills, decode steps, generated tokens, ...)."""

@@ -54,6 +54,7 @@ def _same(a: list[Completion], b: list[Completion]) -> None:
 
 def test_overlapped_steps_give_the_plain_loops_completions(engines: tuple[Engine, Engine]) -> None:
     plain, overlapped = engines
+    assert (plain.runner_info()["overlap_steps"], overlapped.runner_info()["overlap_steps"]) == (False, True)
     requests = _mixed_requests(plain, 40, seed=11)  # more than 16 rows: sequences queue for freed rows
     expected = plain.generate(requests)
     assert {c.finish_reason for c in expected} == {"length", "stop"}
