@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_core.patches.hf_functions import defined_function
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
 
 
@@ -64,7 +66,11 @@ def torch_chunk_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]
     which bind fla's Triton kernel whenever fla imports, whatever the device)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    name = "torch_chunk_gated_delta_rule"
+    function = defined_function(getattr(modeling_qwen3_5, name), name)
+    if function is None:
+        raise RuntimeError(f"transformers' modeling_qwen3_5.{name} hides no function of that name")
+    return function
 
 
 def l2norm(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

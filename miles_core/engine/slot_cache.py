@@ -13,8 +13,9 @@ works on plain views.
 
 :class:`StepCache` is the ``transformers`` cache object handed to one forward pass. It speaks
 the interface the Hugging Face modeling code calls (``update`` for attention,
-``get/update_conv_state`` and ``get/update_recurrent_state`` for linear attention) and maps
-it onto the rows of the store. A forward is either a *prefill* of one row (its whole prompt) or
+``get/update_conv_state`` and ``get/update_recurrent_state`` for linear attention, plus the
+bookkeeping calls of later releases: ``increase_count``, ``get_recurrent_states_to_keep``) and
+maps it onto the rows of the store. A forward is either a *prefill* of one row (its whole prompt) or
 a *decode* of rows ``[0, n)`` (one token each). Masks and positions are built here too, so the
 model never derives them from the cache.
 """
@@ -192,6 +193,14 @@ class StepCache(Cache):
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """No intermediate recurrent states: this cache never rolls back (transformers >= 5.25 asks)."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A decode step's token, counted where transformers' own caches count it (>= 5.25 calls this
+        when the convolution window is updated in place); this cache counts it in :meth:`commit`."""
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.prefill_row is None

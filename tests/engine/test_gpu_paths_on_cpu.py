@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import types
 
 import pytest
 import torch
@@ -84,12 +85,13 @@ class _FlaStandIn:
     """fla's two entry points with fla's documented semantics, on transformers' torch kernels."""
 
     def __init__(self) -> None:
-        import inspect
-
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
-        self.recurrent = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
-        self.chunk = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+        from miles_core.patches.hf_functions import defined_function
+
+        self.recurrent = defined_function(modeling_qwen3_5.torch_recurrent_gated_delta_rule, "torch_recurrent_gated_delta_rule")
+        self.chunk = defined_function(modeling_qwen3_5.torch_chunk_gated_delta_rule, "torch_chunk_gated_delta_rule")
+        assert self.recurrent is not None and self.chunk is not None
         self.calls: list[str] = []
 
     def fused_recurrent_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -124,6 +126,16 @@ def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
     with_fla = _run(tiny_model, chunk=24)
     assert {"chunk", "recurrent"} <= set(stand_in.calls)
     assert _close(with_fla, reference) <= 1e-5
+
+
+def test_the_torch_chunk_rule_is_transformers_own_function_not_its_binding() -> None:
+    # the module-level name may be a wrapper (or, with the kernels package, a module object) that
+    # routes CUDA tensors to fla; the engine's fallback must be the pure-torch function itself
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    rule = gdn_ops.torch_chunk_rule()
+    assert isinstance(rule, types.FunctionType) and rule.__code__.co_name == "torch_chunk_gated_delta_rule"
+    assert rule.__globals__ is vars(modeling_qwen3_5)
 
 
 def test_rows_padding_a_decode_batch_leave_the_real_rows_alone(tiny_model) -> None:

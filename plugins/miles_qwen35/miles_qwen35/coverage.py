@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from miles_core.patches.hf_functions import global_names_reached
 from miles_qwen35.dispatch import CHUNK, unpatchable_reason
 
 #: transformers model directories whose GDN layers this plugin patches and tests
@@ -90,7 +91,7 @@ def gdn_classes(arch: Architecture) -> list[type]:
         if inspect.isclass(obj)
         and obj.__module__ == module.__name__
         and "forward" in obj.__dict__
-        and CHUNK in inspect.unwrap(obj.__dict__["forward"]).__code__.co_names
+        and CHUNK in global_names_reached(inspect.unwrap(obj.__dict__["forward"]))
     ]
 
 

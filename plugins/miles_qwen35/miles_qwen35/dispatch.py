@@ -1,7 +1,9 @@
 """How a Gated DeltaNet class is patched.
 
 transformers' GDN ``forward`` calls two module-level kernels, ``causal_conv1d_fn`` and
-``torch_chunk_gated_delta_rule``. Patching a class:
+``torch_chunk_gated_delta_rule``, either itself or through a function of its module (from 5.25 the
+convolution goes through ``causal_conv1d_forward``, which handles the cache and then calls
+``causal_conv1d_fn``). Both are looked up in the module's globals at call time. Patching a class:
 
 * replaces those two names in the modeling module with dispatchers that call the original kernel
   unchanged, except while a *packed* forward of a patched layer runs (a :mod:`contextvars` flag),
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from miles_core.patches.base import qualname
+from miles_core.patches.hf_functions import defined_function, global_names_reached
 from miles_core.patches.packing import (
     PACKING_KWARG,
     PackedSequences,
@@ -128,8 +131,9 @@ def _dispatcher(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     route = _PackedCall.conv if name == CONV else _PackedCall.chunk
 
     # transformers binds the name to fla's Triton kernel whenever fla imports, whatever the device;
-    # the function at the bottom of its wrappers is transformers' own torch implementation.
-    reference = inspect.unwrap(original)
+    # the function its modeling file defines, beneath the wrappers, is its own torch implementation
+    # (where the binding hides no function of that name, the bottom of its __wrapped__ chain).
+    reference = defined_function(original, name) or inspect.unwrap(original)
 
     @functools.wraps(original)
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -198,10 +202,10 @@ def unpatchable_reason(cls: type) -> str | None:
     forward = cls.__dict__["forward"]
     if is_patched(cls):
         return None
-    code = inspect.unwrap(forward).__code__
-    not_called = [name for name in KERNELS if name not in code.co_names]
+    reached = global_names_reached(inspect.unwrap(forward))
+    not_called = [name for name in KERNELS if name not in reached]
     if not_called:
-        return f"{qualname(cls)}.forward does not call {', '.join(not_called)}"
+        return f"{qualname(cls)}.forward does not call {', '.join(not_called)} (itself or through its module's functions)"
     not_bound = [name for name in KERNELS if not callable(_kernel_globals(forward).get(name))]
     if not_bound:
         return f"{cls.__module__} defines no callable {', '.join(not_bound)}"

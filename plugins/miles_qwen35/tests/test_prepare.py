@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+import types
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from miles_qwen35.tiny import tiny_config, tiny_model
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ActivationError, PluginLoadError
 from miles_core.patches import PatchVerificationError, prepare_model
+from miles_core.patches.hf_functions import defined_function
 from miles_core.patches.packing import PACKING_KWARG, PackedSequences, PackingError
 
 register_cpu_ci(est_time=9, suite="stage-a-cpu")
@@ -85,7 +86,8 @@ def test_a_packed_forward_that_skips_the_kernels_fails_loudly(qwen_pm, monkeypat
     dispatcher = modeling_qwen3_5.torch_chunk_gated_delta_rule
     # a kernel that is not the dispatcher: transformers' torch implementation (the name's own
     # binding may be fla's Triton kernel, which would fail on these CPU tensors first)
-    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", inspect.unwrap(dispatcher.__miles_gdn_kernel__))
+    torch_kernel = defined_function(dispatcher.__miles_gdn_kernel__, "torch_chunk_gated_delta_rule")
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", torch_kernel)
     ctx = PackedSequences.from_lengths([3, 5])
     with pytest.raises(PackingError, match="without calling torch_chunk_gated_delta_rule"):
         gdn_of(model)(torch.randn(1, 8, 32), **{PACKING_KWARG: ctx})
@@ -141,6 +143,69 @@ def test_a_supported_architecture_whose_layer_no_longer_calls_the_kernels_is_a_r
     problems = coverage.environment_problems()
     assert any("Renamed.forward does not call causal_conv1d_fn" in p for p in problems)
     assert any("modeling_qwen3_5_moe no longer defines a class that runs" in p for p in problems)
+
+
+#: a modeling module whose GDN layers reach the convolution kernel through a function of the module,
+#: as transformers >= 5.25's do (``causal_conv1d_forward``), or through one that convolves by itself
+HELPER_MODULE = """
+import torch
+
+
+def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
+    return x
+
+
+def torch_chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+    return value, None
+
+
+def conv_through_the_kernel(x, cache):
+    return causal_conv1d_fn(x, None)
+
+
+def conv_by_itself(x, cache):
+    return x
+
+
+class ThroughHelperGatedDeltaNet(torch.nn.Module):
+    def forward(self, x):
+        return torch_chunk_gated_delta_rule(conv_through_the_kernel(x, None), x, x, x, x)[0]
+
+
+class OwnConvGatedDeltaNet(torch.nn.Module):
+    def forward(self, x):
+        return torch_chunk_gated_delta_rule(conv_by_itself(x, None), x, x, x, x)[0]
+"""
+
+
+def test_a_kernel_reached_through_a_function_of_the_layers_module_is_patchable() -> None:
+    from miles_qwen35.dispatch import unpatchable_reason
+
+    module = types.ModuleType("modeling_helper_gdn")
+    exec(compile(HELPER_MODULE, "<modeling_helper_gdn>", "exec"), module.__dict__)
+    assert unpatchable_reason(module.ThroughHelperGatedDeltaNet) is None
+    reason = unpatchable_reason(module.OwnConvGatedDeltaNet)
+    assert reason is not None and "OwnConvGatedDeltaNet.forward does not call causal_conv1d_fn" in reason
+
+
+def test_a_conv_helper_that_stops_calling_the_kernel_fails_a_packed_forward_loudly(qwen_pm, monkeypatch) -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    if not hasattr(modeling_qwen3_5, "causal_conv1d_forward"):
+        pytest.skip("this transformers' GDN layer calls causal_conv1d_fn itself (releases before 5.25)")
+    model = tiny_model("qwen3_5")
+    prepare_model(model)
+    ctx = PackedSequences.from_lengths([3, 5])
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
+    gdn_of(model)(x, **{PACKING_KWARG: ctx})  # through transformers' own helper: accepted
+
+    def convolves_by_itself(conv1d, hidden_states, cache, layer_idx, activation=None, **kwargs):
+        # what a replacement of the helper (kernels.kernelize may install one) can do
+        return torch.nn.functional.silu(conv1d(hidden_states)[..., : hidden_states.shape[-1]])
+
+    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_forward", convolves_by_itself)
+    with pytest.raises(PackingError, match="without calling causal_conv1d_fn"):
+        gdn_of(model)(x, **{PACKING_KWARG: ctx})
 
 
 def test_a_model_prepared_without_the_plugin_keeps_mixing_documents(qwen_pm, miles_pm_factory, docs) -> None:
