@@ -259,6 +259,9 @@ def chunk_prefill(
             use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **_cpu_seqlens(cu_seqlens_cpu),
         )
         return out[0], final.float()
+    rep = v.shape[-2] // k.shape[-2]
+    if rep > 1:  # value heads share key heads: expanded as transformers' layer does (its 5.17 rule needs it)
+        q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
     out, final = torch_chunk_rule()(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
         chunk_size=torch_chunk_size(q.shape[1]),

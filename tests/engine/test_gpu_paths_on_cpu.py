@@ -99,6 +99,7 @@ class _FlaStandIn:
         assert scale == k.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel and cu_seqlens is None
         assert initial_state.dtype == torch.float32 and initial_state.shape[0] == q.shape[0]
         self.calls.append("recurrent")
+        q, k = _grouped_value_heads(q, k, v)
         return self.recurrent(q, k, v, g=g, beta=beta, initial_state=initial_state.clone(), output_final_state=True,
                               use_qk_l2norm_in_kernel=True)
 
@@ -107,6 +108,7 @@ class _FlaStandIn:
         assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and len(cu_seqlens) - 1 == initial_state.shape[0]
         assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
         self.calls.append("chunk")
+        q, k = _grouped_value_heads(q, k, v)
         outs, finals = [], []
         bounds = cu_seqlens.tolist()
         for i, (start, end) in enumerate(itertools.pairwise(bounds)):
@@ -115,6 +117,13 @@ class _FlaStandIn:
             outs.append(o)
             finals.append(f)
         return torch.cat(outs, dim=1), torch.cat(finals)
+
+
+def _grouped_value_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla reads value head ``j`` against key head ``j // (HV // H)``; transformers' torch kernels
+    take equal head counts in some releases (5.17), so the key heads are expanded for them."""
+    rep = v.shape[-2] // k.shape[-2]
+    return (q, k) if rep == 1 else (q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2))
 
 
 def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
