@@ -47,8 +47,10 @@ class WandbSink:
 
             settings["api_key"] = SecretRef.parse(options.api_key).resolve().reveal()
         state = load_state(run.out_dir, "wandb") if run.resume else {}
-        # a WANDB_MODE of the environment is wandb's to read (and validate); miles' default is offline
-        mode = options.mode or (None if os.environ.get("WANDB_MODE") else "offline")
+        # a WANDB_MODE of the environment is read now and passed on (wandb validates it): wandb
+        # itself reads the environment once per process, when its first run starts; miles' default
+        # is offline
+        mode: Any = options.mode or os.environ.get("WANDB_MODE") or "offline"
         self.run: Any = wandb.init(
             project=options.project, entity=options.entity, name=options.name or run.name,
             dir=str(run.out_dir), mode=mode, config=dict(run.config), id=state.get("id"),
