@@ -265,6 +265,12 @@ def assemble_samples(leaves: Sequence[Turn], options: SampleOptions) -> SampleBa
     (loss mask 1) only in the first sample that contains it."""
     if not leaves:
         return SampleBatch([], "no_records")
+    if len(leaves) == 1:  # one leaf (every v1 session, most RL episodes): nothing shared to track
+        leaf = leaves[0]
+        if leaf.parent is None:
+            if options.max_seq_len is not None and len(leaf.token_ids) > options.max_seq_len:
+                return SampleBatch([], "all_truncated")
+            return SampleBatch([root_sample(leaf, options.metadata)], None)
     trained: set[int] = set()
     samples = []
     for leaf in leaves:
@@ -272,6 +278,30 @@ def assemble_samples(leaves: Sequence[Turn], options: SampleOptions) -> SampleBa
         if sample is not None:
             samples.append(sample)
     return SampleBatch(samples, None if samples else "all_truncated")
+
+
+def root_sample(turn: Turn, metadata: Mapping[str, Any]) -> Sample:
+    """:func:`assemble_sample` of a trajectory of one turn, kept whole, in a batch of one sample:
+    its completion is the whole response, trained."""
+    completion = turn.completion
+    prompt_length = len(turn.observation_ids)
+    response_length = len(turn.token_ids) - prompt_length
+    if len(completion.token_ids) != response_length:
+        raise TokenInvariantError(
+            f"sample for turn {turn.seq}: loss mask has {len(completion.token_ids)} entries for "
+            f"{response_length} response tokens"
+        )
+    server = {"leaf": turn.seq, "turns": [turn.seq], "finish_reason": completion.finish_reason, "dropped_turns": 0}
+    return Sample(
+        list(turn.token_ids),
+        prompt_length,
+        response_length,
+        [1] * response_length,
+        list(completion.logprobs),
+        "truncated" if completion.finish_reason == "length" else "completed",
+        [completion.weight_version],
+        {**metadata, **server} if metadata else server,
+    )
 
 
 def assemble_sample(chain: Sequence[Turn], options: SampleOptions, trained: set[int]) -> Sample | None:
