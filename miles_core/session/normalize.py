@@ -108,6 +108,16 @@ class ChatRequest:
     #: but for its ``seed`` (the very same objects under every other field), or ``None``
     variant_of: ChatRequest | None = field(default=None, compare=False, repr=False)
 
+    def variant(self, forward: dict[str, Any]) -> ChatRequest:
+        """This request with ``forward`` instead, naming this one as its :attr:`variant_of` (for a
+        body that repeats this one's but for its seed: everything else is this one's)."""
+        copy = object.__new__(ChatRequest)  # what __init__ would set, without its per-field work
+        fields = copy.__dict__
+        fields.update(self.__dict__)
+        fields["forward"] = forward
+        fields["variant_of"] = self
+        return copy
+
 
 @quick_init
 @dataclass(frozen=True)
@@ -254,13 +264,14 @@ def normalize_chat_objects(
     first: ChatRequest | None = None  # the request the previous body was validated into
     previous: dict[str, Any] = {}
     previous_history: History | None = None
+    transport = False  # whether the previous body has transport fields (its variants have the same)
     for raw, history in zip(raws, histories, strict=True):
         if first is not None and history is previous_history and _varies_only_in_seed(raw, previous):
             forward = raw.copy()
-            for name in TRANSPORT_FIELDS:
-                forward.pop(name, None)
-            out.append(ChatRequest(first.messages, first.keys, first.tools, first.template_kwargs, first.stream,
-                                   first.include_usage, forward, first.repeated, first))
+            if transport:
+                for name in TRANSPORT_FIELDS:
+                    forward.pop(name, None)
+            out.append(first.variant(forward))
             continue
         try:
             request = normalize_chat_object(raw, history)
@@ -270,6 +281,7 @@ def normalize_chat_objects(
             continue
         out.append(request)
         first, previous, previous_history = request, raw, history
+        transport = any(name in raw for name in TRANSPORT_FIELDS)
     return out
 
 
