@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.errors import MilesError
-from miles_core.frozen import quick_init
+from miles_core.session.completion import ChatTurn
 from miles_core.session.errors import SessionError, SessionNotFound
 from miles_core.session.trajectory import Sample, SampleOptions
 
@@ -44,15 +43,6 @@ class SessionCallError(MilesError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-@quick_init
-@dataclass(frozen=True)
-class ChatTurn:
-    """What an agent needs from a chat reply."""
-
-    message: dict[str, Any]  # the assistant message, as an agent appends it to its history
-    finish_reason: str | None
 
 
 class SessionClient(Protocol):
@@ -146,14 +136,11 @@ class LocalSessions:
             raise _failed("POST /sessions", exc) from None
 
     async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
-        """The turns as one :meth:`~miles_core.session.service.SessionService.chat_many`."""
-        out: list[ChatTurn | SessionCallError] = []
-        for (session_id, _), outcome in zip(turns, await self.service.chat_many(turns), strict=True):
-            if isinstance(outcome, SessionError):
-                out.append(_failed(f"POST /sessions/{session_id}/v1/chat/completions", outcome))
-            else:
-                completion = outcome.completion
-                out.append(ChatTurn(completion.message, completion.finish_reason))
+        """The turns as one :meth:`~miles_core.session.service.SessionService.chat_turns`."""
+        out: list[ChatTurn | SessionCallError] = await self.service.chat_turns(turns)  # type: ignore[assignment]  # errors replaced below
+        for index, turn in enumerate(out):
+            if type(turn) is not ChatTurn:
+                out[index] = _failed(f"POST /sessions/{turns[index][0]}/v1/chat/completions", turn)  # type: ignore[arg-type]  # a SessionError
         return out
 
     async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:

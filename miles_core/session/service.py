@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.frozen import quick_init
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
-from miles_core.session.completion import Completion
+from miles_core.session.completion import ChatTurn, Completion
 from miles_core.session.config import ServiceLimits
 from miles_core.session.errors import Conflict, InvalidRequest, SessionError, SessionNotFound
 from miles_core.session.normalize import (
@@ -236,48 +236,87 @@ class SessionService:
         (:meth:`~miles_core.session.upstream.Upstream.generate_many`). A body that repeats the
         one before it but for its ``seed`` (a GRPO group's, one after another) is not validated
         again, nor is its conversation rendered again."""
-        results: list[ChatOutcome | SessionError | None] = [None] * len(turns)
-        sessions = [self._sessions.get(session_id) for session_id, _ in turns]
+        return await self._chat_batch(turns, replies=True)  # type: ignore[return-value]  # replies: outcomes
+
+    async def chat_turns(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionError]:
+        """:meth:`chat_many` answering each turn with only what an agent in this process reads of
+        the reply (:class:`~miles_core.session.completion.ChatTurn`): nothing is kept for an HTTP
+        reply that no one will send."""
+        return await self._chat_batch(turns, replies=False)  # type: ignore[return-value]  # no replies: chat turns
+
+    async def _chat_batch(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                          replies: bool) -> list[ChatOutcome | ChatTurn | SessionError]:
+        """:meth:`chat_many` (``replies``) or :meth:`chat_turns`. The pipeline of :meth:`_turn`
+        (:meth:`_start`, the upstream, :meth:`_commit`) written out for a batch: a step's turns
+        are hundreds of sessions' first turns, and its calls and objects per turn were a good part
+        of what an episode costs in this process."""
+        results: list[ChatOutcome | ChatTurn | SessionError | None] = [None] * len(turns)
+        known = self._sessions.get
+        sessions = [known(session_id) for session_id, _ in turns]
         requests = normalize_chat_objects(
-            [body for _, body in turns], [None if session is None else session.history for session in sessions]
+            [body for _, body in turns],
+            # Session.history, without building a history for a session that has none
+            [None if session is None or (session._last_turn is None and session._history is None) else session.history
+             for session in sessions],
         )
         tokenizer = _SharedRenders(self.tokenizer)
-        pending: list[tuple[int, _Pending]] = []
+        max_in_flight = self.version.max_in_flight
+        pending: list[tuple[int, Session, Plan, ChatRequest]] = []
         calls: list[UpstreamCall] = []
         try:
             for index, (session, request) in enumerate(zip(sessions, requests)):
                 if session is None:
                     results[index] = SessionNotFound(f"no session {turns[index][0][:64]!r}")
-                elif isinstance(request, SessionError):
+                    continue
+                if isinstance(request, SessionError):
                     results[index] = request
-                else:
-                    try:
-                        started = self._start(session, request, tokenizer)
-                    except SessionError as exc:
-                        results[index] = exc
-                        continue
-                    pending.append((index, started))
-                    calls.append((request, started.plan.prompt_ids, session.id))
+                    continue
+                try:
+                    session.begin_generation(max_in_flight)
+                except SessionError as exc:
+                    results[index] = exc
+                    continue
+                try:
+                    plan = session.store.plan(request, tokenizer)
+                except BaseException as exc:
+                    session.end_generation()
+                    if not isinstance(exc, SessionError):
+                        raise
+                    results[index] = exc
+                    continue
+                pending.append((index, session, plan, request))
+                calls.append((request, plan.prompt_ids, session.id))
             del requests, tokenizer
             generations = await self.upstream.generate_many(calls) if calls else []
         except BaseException:
-            for _, started in pending:
-                started.session.end_generation()
+            for _, session, _, _ in pending:
+                session.end_generation()
             raise
+        del calls
         committing = iter(zip(pending, generations, strict=True))
         try:
-            for (index, started), generation in committing:
+            for (index, session, plan, request), generation in committing:
                 if isinstance(generation, SessionError):
-                    started.session.end_generation()
+                    session.end_generation()
                     results[index] = generation
                     continue
-                try:
-                    results[index] = self._commit(started, generation)
+                completion = generation.completion
+                try:  # _commit's steps
+                    turn = session.store.commit(plan, completion, generation.record)
+                    session.committed_tokens += len(turn.token_ids)
+                    session.committed(request.messages, request.keys, completion.message, request.repeated)
                 except SessionError as exc:
                     results[index] = exc
+                    continue
+                finally:
+                    session.end_generation()
+                results[index] = (
+                    ChatOutcome(completion, request.stream, request.include_usage, generation.reply) if replies
+                    else ChatTurn(completion.message, completion.finish_reason)
+                )
         finally:  # after an unexpected error, the turns not reached give their slots back
-            for (_, started), _ in committing:
-                started.session.end_generation()
+            for (_, session, _, _), _ in committing:
+                session.end_generation()
         return results  # type: ignore[return-value]  # every index was filled above
 
     async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:

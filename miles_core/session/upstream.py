@@ -27,7 +27,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -62,15 +62,31 @@ if TYPE_CHECKING:
     from miles_core.engine.engine import Engine
 
 
-@quick_init
-@dataclass(frozen=True, eq=False)
-class Generation:
+class Generation(Protocol):
     """One engine call: what the store commits, what it records, what the agent receives."""
 
+    @property
+    def completion(self) -> Completion: ...
+
+    @property
+    def record(self) -> Record: ...
+
+    def reply(self) -> dict[str, Any]:
+        """The reply to the agent (replay data stripped), built when asked for."""
+        ...
+
+
+@quick_init
+@dataclass(frozen=True, eq=False)
+class Received:
+    """A :class:`Generation` whose reply came over the wire."""
+
     completion: Completion
-    record: Record
-    #: the reply to the agent (replay data stripped), built when asked for
-    reply: Callable[[], dict[str, Any]]
+    record: TurnRecord
+    answer: dict[str, Any]  # the reply to the agent
+
+    def reply(self) -> dict[str, Any]:
+        return self.answer
 
 
 #: one turn for :meth:`Upstream.generate_many`: the request, its planned prompt ids, its routing key
@@ -111,7 +127,7 @@ class HTTPUpstream:
             raise upstream_error(exc) from exc
         completion = extract_completion(reply, vocab_size=self.vocab_size)
         answer = client_reply(reply, logprobs=asked_logprobs)
-        return Generation(completion, TurnRecord(sent, received, started, time.time()), lambda: answer)
+        return Received(completion, TurnRecord(sent, received, started, time.time()), answer)
 
     async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
         """The calls as concurrent requests (the engine client's pool bounds them)."""
@@ -184,8 +200,8 @@ class EngineUpstream:
         message, finish_reason = assistant
         check_sampled(done.token_ids, done.logprobs, self.vocab_size)
         completion = make_completion(message, done.token_ids, done.logprobs, finish_reason, done.weight_version)
-        record = _Exchange(request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, started, time.time())
-        return Generation(completion, record, record.reply)
+        return _Exchange(completion, request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, started,
+                         time.time())
 
     async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
         """The calls' requests as one ``submit_batch``, awaited as one (a timeout or a cancelled
@@ -195,20 +211,27 @@ class EngineUpstream:
         seed (:attr:`ChatRequest.variant_of`) reuses its validation and sampling parameters, the
         token ids and log-probs of all completions are checked in one pass, and each distinct
         completion of a request is parsed into its assistant message once."""
-        from miles_core.engine.base import GenerationRequest, InvalidRequestError
+        from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
 
         results: list[Generation | SessionError | None] = [None] * len(calls)
         prepared: list[tuple[int, ChatRequest, tuple[int, ...], Any]] = []
         requests: list[engine_base.GenerationRequest] = []
         # the request last validated (the one its variants name), its prompt's length (what
-        # sampling reads), the validated request and its sampling parameters
-        last: tuple[ChatRequest, int, Any, engine_base.SamplingParams] | None = None
+        # sampling reads), the validated request and its sampling parameters' fields
+        last: ChatRequest | None = None
+        last_length = -1
+        req: Any = None  # set with last
+        template: dict[str, Any] = {}
         for index, (request, prompt_ids, _) in enumerate(calls):
             prompt = prompt_ids if type(prompt_ids) is tuple else tuple(prompt_ids)
             seed = request.forward.get("seed")
-            if (last is not None and request.variant_of is last[0] and len(prompt) == last[1]
+            if (request.variant_of is last and last is not None and len(prompt) == last_length
                     and (seed is None or (type(seed) is int and 0 <= seed < 2**63))):
-                req, sampling = last[2], last[3].with_seed(seed)
+                # SamplingParams.with_seed without its check of the seed, just made
+                sampling = object.__new__(SamplingParams)
+                fields = sampling.__dict__
+                fields.update(template)
+                fields["seed"] = seed
             else:
                 try:
                     req, sampling = self._engine_request(request.forward, len(prompt))
@@ -216,41 +239,46 @@ class EngineUpstream:
                     results[index] = InvalidRequest(f"the engine rejected the request: {exc}")
                     last = None
                     continue
-                last = (request.variant_of or request, len(prompt), req, sampling)
+                last, last_length, template = request.variant_of or request, len(prompt), sampling.__dict__
             prepared.append((index, request, prompt, req))
             requests.append(GenerationRequest(prompt, sampling, req.rid))
-        del last
+        del last, template
         started = time.time()
         outcomes = await self._generate_batch(requests) if requests else []
         finished = time.time()
         sampled = [done for done in outcomes if not isinstance(done, BaseException)]
         checked = sampled_plausibly([d.token_ids for d in sampled], [d.logprobs for d in sampled], self.vocab_size)
-        protocol, decoder, model = self._protocol, self._decoder, self.engine.name
+        protocol, decoder, model, vocab_size = self._protocol, self._decoder, self.engine.name, self.vocab_size
         # by the identity of the validated request and what its assistant message is made of
         parsed: dict[tuple[Any, ...], tuple[tuple[dict[str, Any], str], Message, Any]] = {}
         for (index, request, prompt, req), done in zip(prepared, outcomes, strict=True):
             if isinstance(done, BaseException):
                 results[index] = done if isinstance(done, SessionError) else _engine_failure(done)
                 continue
-            token_ids, finish = done.token_ids, done.finish_reason
-            try:
-                if not checked:
-                    check_sampled(token_ids, done.logprobs, self.vocab_size)
-                key = (id(req), token_ids, finish, done.matched_stop)
-                entry = parsed.get(key)
-                if entry is None:
+            token_ids = done.token_ids
+            entry = parsed.get((id(req), token_ids, done.finish_reason, done.matched_stop))
+            if entry is None:
+                try:
+                    if not checked:
+                        check_sampled(token_ids, done.logprobs, vocab_size)
                     assistant = protocol.assistant_message(req, done, decoder)
                     message = checked_message(assistant[0], bool(token_ids), assistant[1])
-                    parsed[key] = (assistant, message, req)
-                else:  # each turn its own message, as if parsed for it (_Exchange copies the other)
-                    assistant, message = entry[0], dict(entry[1])
-            except SessionError as exc:
-                results[index] = exc
-                continue
+                except SessionError as exc:
+                    results[index] = exc
+                    continue
+                parsed[(id(req), token_ids, done.finish_reason, done.matched_stop)] = (assistant, message, req)
+            else:  # each turn its own message, as if parsed for it (_Exchange copies the other)
+                if not checked:  # the same tokens: only the log-probs may fail
+                    try:
+                        check_sampled(token_ids, done.logprobs, vocab_size)
+                    except SessionError as exc:
+                        results[index] = exc
+                        continue
+                assistant, message = entry[0], dict(entry[1])
             version = done.weight_version
-            completion = Completion(message, token_ids, done.logprobs, assistant[1], None if version is None else str(version))
-            record = _Exchange(request.forward, prompt, req, done, assistant, decoder, model, started, finished)
-            results[index] = Generation(completion, record, record.reply)
+            completion = Completion(message, token_ids, done.logprobs, assistant[1],
+                                    version if type(version) is str or version is None else str(version))
+            results[index] = _Exchange(completion, request.forward, prompt, req, done, assistant, decoder, model, started, finished)
         return results  # type: ignore[return-value]  # every index was filled above
 
     async def _generate_batch(self, requests: list[engine_base.GenerationRequest]) -> list[Any]:
@@ -417,14 +445,16 @@ class _Batch:
 
 
 class _Exchange(DeferredRecord):
-    """An in-process engine call as the JSON it would have been: the request the engine's HTTP
-    front would have received and its reply, built when first read and kept."""
+    """An in-process engine call: the :class:`Generation` (its own record) and, as the JSON it
+    would have been, the request the engine's HTTP front would have received and its reply,
+    built when first read and kept."""
 
-    __slots__ = ("_json", "_parts")
+    __slots__ = ("_json", "_parts", "completion")
 
-    def __init__(self, forward: dict[str, Any], prompt: tuple[int, ...], req: Any, done: Any,
+    def __init__(self, completion: Completion, forward: dict[str, Any], prompt: tuple[int, ...], req: Any, done: Any,
                  assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, started: float,
                  finished: float) -> None:
+        self.completion = completion
         self.started_at = started
         self.finished_at = finished
         self._parts = (forward, prompt, req, done, assistant, decoder, model)
@@ -440,6 +470,10 @@ class _Exchange(DeferredRecord):
                                               created=int(self.started_at))
             self._json = {**forward, "input_ids": list(prompt)}, response
         return self._json
+
+    @property
+    def record(self) -> _Exchange:
+        return self
 
     def reply(self) -> dict[str, Any]:
         return client_reply(self.render()[1])
