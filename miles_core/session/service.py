@@ -362,7 +362,11 @@ class SessionService:
 
     def samples_many(self, session_ids: Sequence[str], options: SampleOptions | None = None) -> list[SampleBatch]:
         """:meth:`samples` of each session; an unknown one raises 404 before any is assembled."""
-        stores = [self.get(session_id).store for session_id in session_ids]
+        known = self._sessions.get
+        sessions = [known(session_id) for session_id in session_ids]
+        if None in sessions:
+            self.get(session_ids[sessions.index(None)])  # raises, naming it
+        stores = [session.store for session in sessions]  # type: ignore[union-attr]  # none is None
         options = options or SampleOptions()
         return [store.samples(options) for store in stores]
 

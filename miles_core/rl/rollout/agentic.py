@@ -172,7 +172,7 @@ class AgenticRollout:
             raise EpisodeError(str(exc), exc.status) from None
         finally:
             await sessions.delete_many(ids)
-        return [self._trajectory(*episode) for episode in zip(prompts, samples, replies, turns, strict=True)]
+        return self._trajectories(prompts, samples, replies, turns)
 
     async def _chat_round(self, ids: Sequence[str], active: Sequence[int], conversations: Sequence[list[dict[str, Any]]],
                           seeds: Sequence[int], turns: list[int], replies: list[ChatTurn]) -> None:
@@ -205,29 +205,35 @@ class AgenticRollout:
                     turns[i] += 1
             todo = retry
 
-    def _trajectory(self, prompt: Prompt, samples: Sequence[Sample], reply: ChatTurn, turns: int) -> Trajectory:
-        if len(samples) != 1:
-            raise EpisodeError(f"expected one sample per linear episode, got {len(samples)}")
-        sample = samples[0]
-        tokens, n, versions = tuple(sample.tokens), sample.response_length, sample.weight_versions
-        return Trajectory(  # positional: one per episode
-            prompt,
-            tokens,
-            n,
-            tuple(sample.loss_mask),
-            tuple(sample.rollout_log_probs),
-            reply.message.get("content") or "",
-            self._first_token(tokens[len(tokens) - n]) if n else "",
-            turns,
-            reply.finish_reason or "",
-            str(versions[0]) if len(versions) == 1 else ",".join(sorted({str(v) for v in versions})),
-        )
-
-    def _first_token(self, token_id: int) -> str:
-        text = self._first_tokens.get(token_id)
-        if text is None:
-            text = self._first_tokens[token_id] = self.tokenizer.decode([token_id])
-        return text
+    def _trajectories(self, prompts: Sequence[Prompt], samples: Sequence[Sequence[Sample]], replies: Sequence[ChatTurn],
+                      turns: Sequence[int]) -> list[Trajectory]:
+        """Each episode's trajectory, from its one sample and its last reply."""
+        first_tokens, decode = self._first_tokens, self.tokenizer.decode  # a token's text: one decode per run
+        out = []
+        for prompt, episode, reply, turn_count in zip(prompts, samples, replies, turns, strict=True):
+            if len(episode) != 1:
+                raise EpisodeError(f"expected one sample per linear episode, got {len(episode)}")
+            sample = episode[0]
+            tokens, n, versions = tuple(sample.tokens), sample.response_length, sample.weight_versions
+            first = ""
+            if n:
+                token = tokens[len(tokens) - n]
+                cached = first_tokens.get(token)
+                first = cached if cached is not None else first_tokens.setdefault(token, decode([token]))
+            out.append(Trajectory(  # positional: one per episode
+                prompt,
+                tokens,
+                n,
+                tuple(sample.loss_mask),
+                tuple(sample.rollout_log_probs),
+                reply.message.get("content") or "",
+                first,
+                turn_count,
+                reply.finish_reason or "",
+                versions[0] if len(versions) == 1 and type(versions[0]) is str
+                else ",".join(sorted({str(v) for v in versions})),
+            ))
+        return out
 
     async def _call_tools(self, calls: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One episode's tool calls, in order."""
