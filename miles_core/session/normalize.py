@@ -167,6 +167,13 @@ class History:
         return count
 
 
+def _str_keys(raw: dict[Any, Any]) -> bool:
+    for key in raw:  # noqa: SIM110  (a loop: all() over a generator costs twice as much here)
+        if type(key) is not str:
+            return False
+    return True
+
+
 def _plain(value: Any) -> bool:
     """Whether ``value`` is made only of strings, lists, dicts and ``None`` (no numbers, no booleans)."""
     if value is None or type(value) is str:
@@ -179,6 +186,11 @@ def _plain(value: Any) -> bool:
 
 
 _MESSAGE: TypeAdapter[_Message] = TypeAdapter(_Message)
+_MESSAGES: TypeAdapter[list[_Message]] = TypeAdapter(list[_Message])
+#: the fields of a chat body the schema declares, messages aside: a body without any of them
+#: validates as its messages do, with every other field at its default (:data:`_BARE_TAIL`)
+_BODY_FIELDS = frozenset(_ChatBody.model_fields) - {"messages"}
+_BARE_TAIL = _ChatTail()
 
 
 #: validated conversations by their exact JSON (GRPO opens many sessions on the same prompt):
@@ -222,7 +234,12 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
     parsed: _ChatBody | None = None
     if repeated:
         try:
-            parsed = _ChatTail.model_validate({**raw, "messages": messages[repeated:]})
+            if _BODY_FIELDS.isdisjoint(raw) and _str_keys(raw):  # only messages to validate (the rest is extra)
+                if len(messages) > repeated:
+                    _MESSAGES.validate_python(messages[repeated:])
+                parsed = _BARE_TAIL
+            else:
+                parsed = _ChatTail.model_validate({**raw, "messages": messages[repeated:]})
         except (ValidationError, RecursionError):
             repeated, known = 0, None  # validated whole below: the error a request gets without a history
     if parsed is None:

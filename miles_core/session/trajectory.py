@@ -151,6 +151,11 @@ class Plan:
     revision: int  # the store revision the plan was made against
 
 
+#: the last root turn planned (:func:`plan_turn`): a plan holds only immutable values, so one made
+#: of the very same objects is that plan
+_last_root = Plan(None, (), (), (), 0, -1)
+
+
 def deepest_match(
     keys: Sequence[MessageKey], roots: Iterable[Turn], children_of: Callable[[Turn], Iterable[Turn]]
 ) -> Turn | None:
@@ -172,9 +177,16 @@ def plan_turn(
     request: ChatRequest, parent: Turn | None, tokenizer: PromptTokenizer, *, revision: int
 ) -> Plan:
     """Plan a turn under ``parent`` (``None``: a new root) for ``request``."""
+    global _last_root
     if parent is None:
-        prompt = tokenizer.render_prompt(request.messages, tools=request.tools, template_kwargs=request.template_kwargs)
-        return Plan(None, request.messages, request.keys, prompt, 0, revision)
+        messages, keys = request.messages, request.keys
+        prompt = tokenizer.render_prompt(messages, tools=request.tools, template_kwargs=request.template_kwargs)
+        last = _last_root
+        # the sessions of a GRPO group plan the same root from the very same (immutable) objects
+        if last.prompt_ids is prompt and last.messages is messages and last.keys is keys and last.revision == revision:
+            return last
+        _last_root = Plan(None, messages, keys, prompt, 0, revision)
+        return _last_root
     if parent.completion.truncated:
         raise Conflict(
             f"turn {parent.seq} was cut off at its token limit (finish_reason=length) and cannot be "
