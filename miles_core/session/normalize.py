@@ -269,36 +269,50 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
 
 
 def normalize_chat_objects(
-    raws: Sequence[dict[str, Any]], histories: Sequence[History | None]
+    raws: Sequence[dict[str, Any]], histories: Sequence[History | None], seeds: Sequence[int | None] | None = None
 ) -> list[ChatRequest | InvalidRequest]:
     """:func:`normalize_chat_object` of each body with its session's history, each result or
-    error in its place. A body that repeats the one before it but for its ``seed`` -- the very
-    same objects under every other field, and the same history: the sessions of a GRPO group,
-    sent one after another -- reuses that one's validation (nothing here reads the seed: it is
-    forwarded as sent, for the engine to check) and names its request as
+    error in its place; ``seeds[i]``, when given, is body ``i``'s ``seed`` (set in the body's
+    own place for it, or added last, as ``{**body, "seed": seeds[i]}``): one body object sent
+    with a seed per session.
+
+    A body that repeats the one before it but for its ``seed`` -- the very same body object, or
+    the very same objects under every other field, and the same history: the sessions of a GRPO
+    group, sent one after another -- reuses that one's validation (nothing here reads the seed:
+    it is forwarded as sent, for the engine to check) and names its request as
     :attr:`ChatRequest.variant_of`."""
+    if seeds is not None and len(seeds) != len(raws):
+        raise ValueError(f"{len(seeds)} seeds for {len(raws)} bodies")
     out: list[ChatRequest | InvalidRequest] = []
     first: ChatRequest | None = None  # the request the previous body was validated into
-    previous: dict[str, Any] = {}
+    previous: dict[str, Any] = {}  # that body (its seed set)
+    previous_raw: Any = None  # and as it was passed
     previous_history: History | None = None
     transport = False  # whether the previous body has transport fields (its variants have the same)
-    for raw, history in zip(raws, histories, strict=True):
-        if first is not None and history is previous_history and _varies_only_in_seed(raw, previous):
-            forward = raw.copy()
+    for index, (raw, history) in enumerate(zip(raws, histories, strict=True)):
+        if first is not None and history is previous_history and raw is previous_raw:
+            forward = first.forward.copy()
+            if seeds is not None:
+                forward["seed"] = seeds[index]
+            out.append(first.variant(forward))
+            continue
+        body = raw if seeds is None or type(raw) is not dict else {**raw, "seed": seeds[index]}
+        if first is not None and history is previous_history and _varies_only_in_seed(body, previous):
+            forward = body.copy()
             if transport:
                 for name in TRANSPORT_FIELDS:
                     forward.pop(name, None)
             out.append(first.variant(forward))
             continue
         try:
-            request = normalize_chat_object(raw, history)
+            request = normalize_chat_object(body, history)
         except InvalidRequest as exc:
             out.append(exc)
-            first = None
+            first, previous_raw = None, None
             continue
         out.append(request)
-        first, previous, previous_history = request, raw, history
-        transport = any(name in raw for name in TRANSPORT_FIELDS)
+        first, previous, previous_raw, previous_history = request, body, raw, history
+        transport = any(name in body for name in TRANSPORT_FIELDS)
     return out
 
 

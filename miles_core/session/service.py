@@ -228,24 +228,28 @@ class SessionService:
         session = self.get(session_id)
         return await self._turn(session, normalize_chat_object(body, session.history))
 
-    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatOutcome | SessionError]:
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                        seeds: Sequence[int | None] | None = None) -> list[ChatOutcome | SessionError]:
         """One turn in each of many sessions, from parsed bodies (an agent in this process driving
         a batch of sessions in step), in one call: each turn is validated, planned and committed
         as :meth:`chat_object` does it and fails alone -- its error in its place, its session
         unchanged -- and the turns that pass reach the upstream together
         (:meth:`~miles_core.session.upstream.Upstream.generate_many`). A body that repeats the
         one before it but for its ``seed`` (a GRPO group's, one after another) is not validated
-        again, nor is its conversation rendered again."""
-        return await self._chat_batch(turns, replies=True)  # type: ignore[return-value]  # replies: outcomes
+        again, nor is its conversation rendered again. ``seeds[i]``, when given, is turn ``i``'s
+        ``seed``, as if its body held it (:func:`~miles_core.session.normalize.normalize_chat_objects`):
+        a group's turns may then share one body object."""
+        return await self._chat_batch(turns, replies=True, seeds=seeds)  # type: ignore[return-value]  # replies: outcomes
 
-    async def chat_turns(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionError]:
+    async def chat_turns(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                         seeds: Sequence[int | None] | None = None) -> list[ChatTurn | SessionError]:
         """:meth:`chat_many` answering each turn with only what an agent in this process reads of
         the reply (:class:`~miles_core.session.completion.ChatTurn`): nothing is kept for an HTTP
         reply that no one will send."""
-        return await self._chat_batch(turns, replies=False)  # type: ignore[return-value]  # no replies: chat turns
+        return await self._chat_batch(turns, replies=False, seeds=seeds)  # type: ignore[return-value]  # no replies: chat turns
 
-    async def _chat_batch(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
-                          replies: bool) -> list[ChatOutcome | ChatTurn | SessionError]:
+    async def _chat_batch(self, turns: Sequence[tuple[str, dict[str, Any]]], *, replies: bool,
+                          seeds: Sequence[int | None] | None) -> list[ChatOutcome | ChatTurn | SessionError]:
         """:meth:`chat_many` (``replies``) or :meth:`chat_turns`. The pipeline of :meth:`_turn`
         (:meth:`_start`, the upstream, :meth:`_commit`) written out for a batch: a step's turns
         are hundreds of sessions' first turns, and its calls and objects per turn were a good part
@@ -258,6 +262,7 @@ class SessionService:
             # Session.history, without building a history for a session that has none
             [None if session is None or (session._last_turn is None and session._history is None) else session.history
              for session in sessions],
+            seeds,
         )
         tokenizer = _SharedRenders(self.tokenizer)
         max_in_flight = self.version.max_in_flight

@@ -179,22 +179,26 @@ class AgenticRollout:
         """The next turn of every ``active`` episode, in one call (a turn that fails upstream, 502,
         is sent again, at most :data:`UPSTREAM_RETRIES` times)."""
         s, tools = self.settings, self._tool_schemas
-        # the same objects in every body: a group's bodies then differ only in their seed
-        max_tokens, temperature, top_p, top_k = s.max_new_tokens, s.temperature, s.top_p, s.top_k
+        fields: dict[str, Any] = {"max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                                  "top_k": s.top_k, "seed": None}  # each turn's seed is sent in its place
+        if tools:
+            fields["tools"] = tools
+        # one body per conversation object (a group's episodes share theirs until they diverge),
+        # sent with each episode's own seed
+        bodies: dict[int, dict[str, Any]] = {}
         failures: dict[int, int] = {}
         todo = list(active)
         while todo:
-            bodies = []
+            turns_now, seeds_now = [], []
             for i in todo:
-                body: dict[str, Any] = {
-                    "messages": conversations[i], "max_tokens": max_tokens, "temperature": temperature,
-                    "top_p": top_p, "top_k": top_k, "seed": (seeds[i] + turns[i]) % 2**63,
-                }
-                if tools:
-                    body["tools"] = tools
-                bodies.append((ids[i], body))
+                conversation = conversations[i]
+                body = bodies.get(id(conversation))
+                if body is None:
+                    body = bodies[id(conversation)] = {"messages": conversation, **fields}
+                turns_now.append((ids[i], body))
+                seeds_now.append((seeds[i] + turns[i]) % 2**63)
             retry = []
-            for i, result in zip(todo, await self.sessions.chat_many(bodies), strict=True):
+            for i, result in zip(todo, await self.sessions.chat_many(turns_now, seeds=seeds_now), strict=True):
                 if isinstance(result, SessionCallError):
                     failures[i] = failures.get(i, 0) + 1
                     if result.status != 502 or failures[i] > UPSTREAM_RETRIES:
