@@ -268,6 +268,10 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
     )
 
 
+#: a turn of :func:`normalize_chat_batch` sent as its own request says (its forward as it is)
+OWN = object()
+
+
 def normalize_chat_objects(
     raws: Sequence[dict[str, Any]], histories: Sequence[History | None], seeds: Sequence[int | None] | None = None
 ) -> list[ChatRequest | InvalidRequest]:
@@ -281,9 +285,28 @@ def normalize_chat_objects(
     group, sent one after another -- reuses that one's validation (nothing here reads the seed:
     it is forwarded as sent, for the engine to check) and names its request as
     :attr:`ChatRequest.variant_of`."""
+    requests, sent = normalize_chat_batch(raws, histories, seeds)
+    out: list[ChatRequest | InvalidRequest] = []
+    for index, (request, seed) in enumerate(zip(requests, sent)):
+        if index and request is requests[index - 1]:  # the request of the body before, shared
+            assert isinstance(request, ChatRequest)
+            request = request.variant(request.forward.copy() if seed is OWN else forward_with(request, seed))
+        out.append(request)
+    return out
+
+
+def normalize_chat_batch(
+    raws: Sequence[dict[str, Any]], histories: Sequence[History | None], seeds: Sequence[int | None] | None = None
+) -> tuple[list[ChatRequest | InvalidRequest], list[Any]]:
+    """:func:`normalize_chat_objects` for a caller that sends each turn as ``(request, seed)``
+    (:func:`forward_with`): a body that is the very object of the one before it (and has the
+    same history) is answered with that one's request itself -- no request made, nor a forward
+    copied, per turn of a group that shares one body -- and with its ``seeds`` entry in
+    ``sent``; every other ``sent`` entry is :data:`OWN`."""
     if seeds is not None and len(seeds) != len(raws):
         raise ValueError(f"{len(seeds)} seeds for {len(raws)} bodies")
     out: list[ChatRequest | InvalidRequest] = []
+    sent: list[Any] = []
     first: ChatRequest | None = None  # the request the previous body was validated into
     previous: dict[str, Any] = {}  # that body (its seed set)
     previous_raw: Any = None  # and as it was passed
@@ -291,12 +314,11 @@ def normalize_chat_objects(
     transport = False  # whether the previous body has transport fields (its variants have the same)
     for index, (raw, history) in enumerate(zip(raws, histories, strict=True)):
         if first is not None and history is previous_history and raw is previous_raw:
-            forward = first.forward.copy()
-            if seeds is not None:
-                forward["seed"] = seeds[index]
-            out.append(first.variant(forward))
+            out.append(first)
+            sent.append(OWN if seeds is None else seeds[index])
             continue
         body = raw if seeds is None or type(raw) is not dict else {**raw, "seed": seeds[index]}
+        sent.append(OWN)
         if first is not None and history is previous_history and _varies_only_in_seed(body, previous):
             forward = body.copy()
             if transport:
@@ -313,7 +335,12 @@ def normalize_chat_objects(
         out.append(request)
         first, previous, previous_raw, previous_history = request, body, raw, history
         transport = any(name in body for name in TRANSPORT_FIELDS)
-    return out
+    return out, sent
+
+
+def forward_with(request: ChatRequest, seed: Any) -> dict[str, Any]:
+    """What ``request`` forwards when sent with ``seed`` (:data:`OWN`: its forward as it is)."""
+    return request.forward if seed is OWN else {**request.forward, "seed": seed}
 
 
 def _varies_only_in_seed(raw: Any, previous: dict[str, Any]) -> bool:
@@ -341,9 +368,10 @@ def normalize_samples_request(body: bytes) -> SampleOptions:
     return SampleOptions(max_seq_len=parsed.max_seq_len, metadata=metadata)
 
 
-def upstream_body(request: ChatRequest, prompt_ids: Sequence[int]) -> dict[str, Any]:
-    """The body sent upstream: the client's fields, the server-owned prompt ids, forced flags."""
-    return {**request.forward, "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
+def upstream_body(request: ChatRequest, prompt_ids: Sequence[int], seed: Any = OWN) -> dict[str, Any]:
+    """The body sent upstream: the client's fields (``seed``: sent with that seed,
+    :func:`forward_with`), the server-owned prompt ids, forced flags."""
+    return {**forward_with(request, seed), "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
 
 
 def _validate(model: type[ModelT], raw: dict[str, Any]) -> ModelT:

@@ -36,8 +36,8 @@ from miles_core.session.errors import Conflict, InvalidRequest, SessionError, Se
 from miles_core.session.normalize import (
     ChatRequest,
     History,
+    normalize_chat_batch,
     normalize_chat_object,
-    normalize_chat_objects,
     normalize_chat_request,
     normalize_samples_request,
     parse_json_object,
@@ -257,7 +257,7 @@ class SessionService:
         results: list[ChatOutcome | ChatTurn | SessionError | None] = [None] * len(turns)
         known = self._sessions.get
         sessions = [known(session_id) for session_id, _ in turns]
-        requests = normalize_chat_objects(
+        requests, sent = normalize_chat_batch(
             [body for _, body in turns],
             # Session.history, without building a history for a session that has none
             [None if session is None or (session._last_turn is None and session._history is None) else session.history
@@ -269,7 +269,7 @@ class SessionService:
         pending: list[tuple[int, Session, Plan, ChatRequest]] = []
         calls: list[UpstreamCall] = []
         try:
-            for index, (session, request) in enumerate(zip(sessions, requests)):
+            for index, (session, request, seed) in enumerate(zip(sessions, requests, sent)):
                 if session is None:
                     results[index] = SessionNotFound(f"no session {turns[index][0][:64]!r}")
                     continue
@@ -290,8 +290,8 @@ class SessionService:
                     results[index] = exc
                     continue
                 pending.append((index, session, plan, request))
-                calls.append((request, plan.prompt_ids, session.id))
-            del requests, tokenizer
+                calls.append((request, plan.prompt_ids, session.id, seed))
+            del requests, sent, tokenizer
             generations = await self.upstream.generate_many(calls) if calls else []
         except BaseException:
             for _, session, _, _ in pending:

@@ -47,7 +47,7 @@ from miles_core.session.completion import (
 )
 from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFailure
 from miles_core.session.messages import Message
-from miles_core.session.normalize import ChatRequest, upstream_body
+from miles_core.session.normalize import OWN, ChatRequest, forward_with, upstream_body
 from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
 
 #: results of requests submitted together reach the event loop together: when the last of them is
@@ -90,7 +90,9 @@ class Received:
 
 
 #: one turn for :meth:`Upstream.generate_many`: the request, its planned prompt ids, its routing key
-UpstreamCall = tuple[ChatRequest, Sequence[int], str]
+#: and the seed it is sent with (:data:`~miles_core.session.normalize.OWN`: the request's own;
+#: :func:`~miles_core.session.normalize.forward_with`)
+UpstreamCall = tuple[ChatRequest, Sequence[int], str, Any]
 
 
 class Upstream(Protocol):
@@ -112,8 +114,11 @@ class HTTPUpstream:
         self.vocab_size = vocab_size
 
     async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
+        return await self._generate(request, prompt_ids, routing_key, OWN)
+
+    async def _generate(self, request: ChatRequest, prompt_ids: Sequence[int], routing_key: str, seed: Any) -> Generation:
         try:
-            sent = strict_json.dumps(upstream_body(request, prompt_ids))
+            sent = strict_json.dumps(upstream_body(request, prompt_ids, seed))
         except ValueError as exc:
             raise InvalidRequest(f"the request cannot be forwarded upstream: {exc}") from None
         asked_logprobs = request.forward.get("logprobs") is True
@@ -132,9 +137,9 @@ class HTTPUpstream:
     async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
         """The calls as concurrent requests (the engine client's pool bounds them)."""
 
-        async def one(request: ChatRequest, prompt_ids: Sequence[int], routing_key: str) -> Generation | SessionError:
+        async def one(request: ChatRequest, prompt_ids: Sequence[int], routing_key: str, seed: Any) -> Generation | SessionError:
             try:
-                return await self.generate(request, prompt_ids, routing_key=routing_key)
+                return await self._generate(request, prompt_ids, routing_key, seed)
             except SessionError as exc:
                 return exc
 
@@ -200,8 +205,8 @@ class EngineUpstream:
         message, finish_reason = assistant
         check_sampled(done.token_ids, done.logprobs, self.vocab_size)
         completion = make_completion(message, done.token_ids, done.logprobs, finish_reason, done.weight_version)
-        return _Exchange(completion, request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, started,
-                         time.time())
+        return _Exchange(completion, request.forward, OWN, prompt, req, done, assistant, self._decoder, self.engine.name,
+                         started, time.time())
 
     async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
         """The calls' requests as one ``submit_batch``, awaited as one (a timeout or a cancelled
@@ -214,7 +219,7 @@ class EngineUpstream:
         from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
 
         results: list[Generation | SessionError | None] = [None] * len(calls)
-        prepared: list[tuple[int, ChatRequest, tuple[int, ...], Any]] = []
+        prepared: list[tuple[int, ChatRequest, Any, tuple[int, ...], Any]] = []
         requests: list[engine_base.GenerationRequest] = []
         # the request last validated (the one its variants name), its prompt's length (what
         # sampling reads), the validated request and its sampling parameters' fields
@@ -222,10 +227,10 @@ class EngineUpstream:
         last_length = -1
         req: Any = None  # set with last
         template: dict[str, Any] = {}
-        for index, (request, prompt_ids, _) in enumerate(calls):
+        for index, (request, prompt_ids, _, sent) in enumerate(calls):
             prompt = prompt_ids if type(prompt_ids) is tuple else tuple(prompt_ids)
-            seed = request.forward.get("seed")
-            if (request.variant_of is last and last is not None and len(prompt) == last_length
+            seed = request.forward.get("seed") if sent is OWN else sent
+            if ((request is last or request.variant_of is last) and last is not None and len(prompt) == last_length
                     and (seed is None or (type(seed) is int and 0 <= seed < 2**63))):
                 # SamplingParams.with_seed without its check of the seed, just made
                 sampling = object.__new__(SamplingParams)
@@ -234,13 +239,13 @@ class EngineUpstream:
                 fields["seed"] = seed
             else:
                 try:
-                    req, sampling = self._engine_request(request.forward, len(prompt))
+                    req, sampling = self._engine_request(forward_with(request, sent), len(prompt))
                 except InvalidRequestError as exc:
                     results[index] = InvalidRequest(f"the engine rejected the request: {exc}")
                     last = None
                     continue
                 last, last_length, template = request.variant_of or request, len(prompt), sampling.__dict__
-            prepared.append((index, request, prompt, req))
+            prepared.append((index, request, sent, prompt, req))
             requests.append(GenerationRequest(prompt, sampling, req.rid))
         del last, template
         started = time.time()
@@ -251,7 +256,7 @@ class EngineUpstream:
         protocol, decoder, model, vocab_size = self._protocol, self._decoder, self.engine.name, self.vocab_size
         # by the identity of the validated request and what its assistant message is made of
         parsed: dict[tuple[Any, ...], tuple[tuple[dict[str, Any], str], Message, Any]] = {}
-        for (index, request, prompt, req), done in zip(prepared, outcomes, strict=True):
+        for (index, request, sent, prompt, req), done in zip(prepared, outcomes, strict=True):
             if isinstance(done, BaseException):
                 results[index] = done if isinstance(done, SessionError) else _engine_failure(done)
                 continue
@@ -278,7 +283,8 @@ class EngineUpstream:
             version = done.weight_version
             completion = Completion(message, token_ids, done.logprobs, assistant[1],
                                     version if type(version) is str or version is None else str(version))
-            results[index] = _Exchange(completion, request.forward, prompt, req, done, assistant, decoder, model, started, finished)
+            results[index] = _Exchange(completion, request.forward, sent, prompt, req, done, assistant, decoder, model, started,
+                                       finished)
         return results  # type: ignore[return-value]  # every index was filled above
 
     async def _generate_batch(self, requests: list[engine_base.GenerationRequest]) -> list[Any]:
@@ -451,20 +457,22 @@ class _Exchange(DeferredRecord):
 
     __slots__ = ("_json", "_parts", "completion")
 
-    def __init__(self, completion: Completion, forward: dict[str, Any], prompt: tuple[int, ...], req: Any, done: Any,
-                 assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, started: float,
+    def __init__(self, completion: Completion, forward: dict[str, Any], seed: Any, prompt: tuple[int, ...], req: Any,
+                 done: Any, assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, started: float,
                  finished: float) -> None:
         self.completion = completion
         self.started_at = started
         self.finished_at = finished
-        self._parts = (forward, prompt, req, done, assistant, decoder, model)
+        self._parts = (forward, seed, prompt, req, done, assistant, decoder, model)
         self._json: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def render(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self._json is None:
             from miles_core.engine import protocol
 
-            forward, prompt, req, done, (message, finish_reason), decoder, model = self._parts
+            forward, seed, prompt, req, done, (message, finish_reason), decoder, model = self._parts
+            if seed is not OWN:  # sent with this seed (forward_with)
+                forward = {**forward, "seed": seed}
             # the message may be shared with other turns of a batch (EngineUpstream.generate_many)
             response = protocol.chat_response(req, done, decoder, model=model, assistant=(dict(message), finish_reason),
                                               created=int(self.started_at))

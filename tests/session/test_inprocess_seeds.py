@@ -175,3 +175,33 @@ def test_a_known_conversation_with_a_bare_body_is_refused_and_accepted_as_an_unk
         assert known == unknown
         if not isinstance(known, str):
             assert known.forward == unknown.forward  # type: ignore[attr-defined]
+
+
+def test_seeds_reach_an_engine_over_http_as_the_bodies_holding_them(engine, chat_tokenizer) -> None:
+    """A service whose upstream is an engine over HTTP sends each seeded turn's body with its
+    seed in place: the requests recorded (the exact bytes sent) are those of the bodies holding
+    the seeds, and the same tokens come back."""
+    pytest.importorskip("miles_core.engine.server")
+    from miles_core.engine.client import EngineClient
+    from miles_core.engine.server import create_app
+    from miles_core.session.upstream import HTTPUpstream
+
+    body = {"messages": [{"role": "user", "content": "3+4="}], "max_tokens": 6, "seed": None, "stop": STOP}
+    seeds = [3, 4, 5, 6]
+
+    async def run(seeded: bool):
+        upstream = HTTPUpstream(EngineClient("http://engine", app=create_app(engine)), vocab_size=chat_tokenizer.vocab_size)
+        service = SessionService(LinearVersion(), chat_tokenizer, upstream)
+        sids = service.create_many(len(seeds))
+        if seeded:
+            results = await service.chat_many([(sid, body) for sid in sids], seeds=seeds)
+        else:
+            results = await service.chat_many([(sid, {**body, "seed": seed}) for sid, seed in zip(sids, seeds)])
+        records = [service.describe(sid)["records"][0] for sid in sids]
+        await upstream.aclose()
+        return [r.completion.token_ids for r in results], [r["request"] for r in records]
+
+    (tokens_seeded, sent_seeded), (tokens, sent) = asyncio.run(run(True)), asyncio.run(run(False))
+    assert tokens_seeded == tokens and len(set(tokens)) > 1
+    assert sent_seeded == sent and [list(r) for r in sent_seeded] == [list(r) for r in sent]  # the seed in its place
+    assert [r["seed"] for r in sent_seeded] == seeds
