@@ -290,7 +290,8 @@ def normalize_chat_objects(
     for index, (request, seed) in enumerate(zip(requests, sent)):
         if index and request is requests[index - 1]:  # the request of the body before, shared
             assert isinstance(request, ChatRequest)
-            request = request.variant(request.forward.copy() if seed is OWN else forward_with(request, seed))
+            forward = request.forward.copy() if seed is OWN else forward_with(request, seed)
+            request = (request.variant_of or request).variant(forward)
         out.append(request)
     return out
 
@@ -300,23 +301,25 @@ def normalize_chat_batch(
 ) -> tuple[list[ChatRequest | InvalidRequest], list[Any]]:
     """:func:`normalize_chat_objects` for a caller that sends each turn as ``(request, seed)``
     (:func:`forward_with`): a body that is the very object of the one before it (and has the
-    same history) is answered with that one's request itself -- no request made, nor a forward
-    copied, per turn of a group that shares one body -- and with its ``seeds`` entry in
-    ``sent``; every other ``sent`` entry is :data:`OWN`."""
+    same history) is answered with the request that one was answered with, itself -- no request
+    made, nor a forward copied, per turn of a group that shares one body -- and with its
+    ``seeds`` entry in ``sent``; every other ``sent`` entry is :data:`OWN`."""
     if seeds is not None and len(seeds) != len(raws):
         raise ValueError(f"{len(seeds)} seeds for {len(raws)} bodies")
     out: list[ChatRequest | InvalidRequest] = []
     sent: list[Any] = []
-    first: ChatRequest | None = None  # the request the previous body was validated into
+    first: ChatRequest | None = None  # the request the last body validated was validated into
     previous: dict[str, Any] = {}  # that body (its seed set)
-    previous_raw: Any = None  # and as it was passed
-    previous_history: History | None = None
+    previous_history: History | None = None  # and its history
+    previous_raw: Any = None  # the body before, as it was passed
+    last: ChatRequest | None = None  # and the request it was answered with
     transport = False  # whether the previous body has transport fields (its variants have the same)
     for index, (raw, history) in enumerate(zip(raws, histories, strict=True)):
-        if first is not None and history is previous_history and raw is previous_raw:
-            out.append(first)
+        if last is not None and raw is previous_raw and history is previous_history:
+            out.append(last)
             sent.append(OWN if seeds is None else seeds[index])
             continue
+        previous_raw = raw
         body = raw if seeds is None or type(raw) is not dict else {**raw, "seed": seeds[index]}
         sent.append(OWN)
         if first is not None and history is previous_history and _varies_only_in_seed(body, previous):
@@ -324,16 +327,18 @@ def normalize_chat_batch(
             if transport:
                 for name in TRANSPORT_FIELDS:
                     forward.pop(name, None)
-            out.append(first.variant(forward))
+            last = first.variant(forward)
+            out.append(last)
             continue
         try:
             request = normalize_chat_object(body, history)
         except InvalidRequest as exc:
             out.append(exc)
-            first, previous_raw = None, None
+            first = last = None
             continue
         out.append(request)
-        first, previous, previous_raw, previous_history = request, body, raw, history
+        first = last = request
+        previous, previous_history = body, history
         transport = any(name in body for name in TRANSPORT_FIELDS)
     return out, sent
 

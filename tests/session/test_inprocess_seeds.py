@@ -17,7 +17,12 @@ register_cpu_ci(est_time=6, suite="stage-a-cpu")
 pytest.importorskip("torch")
 
 from miles_core.session.errors import InvalidRequest  # noqa: E402
-from miles_core.session.normalize import normalize_chat_object, normalize_chat_objects  # noqa: E402
+from miles_core.session.normalize import (  # noqa: E402
+    OWN,
+    normalize_chat_batch,
+    normalize_chat_object,
+    normalize_chat_objects,
+)
 from miles_core.session.service import SessionService  # noqa: E402
 from miles_core.session.upstream import EngineUpstream  # noqa: E402
 from miles_core.session.versions import LinearVersion, TreeVersion  # noqa: E402
@@ -122,8 +127,9 @@ def test_seeds_normalize_as_the_bodies_holding_them() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     shared = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "tools": tools}
     streamed = {**shared, "stream": True, "seed": 4}  # a seed of its own, replaced
-    raws = [shared, shared, shared, {**shared}, streamed, streamed, {"messages": [{"role": "robot"}]}, shared]
-    seeds = [1, 2, None, 3, 5, 6, 7, 8]
+    copy = {**shared}
+    raws = [shared, shared, shared, copy, copy, shared, streamed, streamed, {"messages": [{"role": "robot"}]}, shared]
+    seeds = [1, 2, None, 3, 4, 9, 5, 6, 7, 8]
     batch = normalize_chat_objects(raws, [None] * len(raws), seeds)
     merged = normalize_chat_objects([{**raw, "seed": seed} for raw, seed in zip(raws, seeds)], [None] * len(raws))
     for got, want, raw, seed in zip(batch, merged, raws, seeds, strict=True):
@@ -137,8 +143,13 @@ def test_seeds_normalize_as_the_bodies_holding_them() -> None:
             continue
         assert got == want == alone and got.forward == want.forward == alone.forward  # type: ignore[union-attr]
         assert list(got.forward) == list(alone.forward)  # the seed in its place  # type: ignore[union-attr]
-    assert [getattr(r, "variant_of", None) is batch[0] for r in batch[:4]] == [False, True, True, True]
-    assert batch[5].variant_of is batch[4] and batch[7].variant_of is None  # type: ignore[union-attr]
+    assert [getattr(r, "variant_of", None) is batch[0] for r in batch[:6]] == [False, True, True, True, True, True]
+    assert batch[7].variant_of is batch[6] and batch[9].variant_of is None  # type: ignore[union-attr]
+    assert len({id(r) for r in batch}) == len(batch)  # every body its own request
+    requests, sent = normalize_chat_batch(raws, [None] * len(raws), seeds)  # the shared form the service sends
+    assert [r is requests[i - 1] for i, r in enumerate(requests)][1:] == [True, True, False, True, False, False, True,
+                                                                          False, False]
+    assert sent == [OWN, 2, None, OWN, 4, OWN, OWN, 6, OWN, OWN]
     with pytest.raises(ValueError, match="2 seeds for 3 bodies"):
         normalize_chat_objects([shared] * 3, [None] * 3, [1, 2])
 
