@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.errors import MilesError
-from miles_core.frozen import quick_init
+from miles_core.session.completion import ChatTurn
 from miles_core.session.errors import SessionError, SessionNotFound
 from miles_core.session.trajectory import Sample, SampleOptions
 
@@ -46,15 +45,6 @@ class SessionCallError(MilesError):
         self.status = status
 
 
-@quick_init
-@dataclass(frozen=True)
-class ChatTurn:
-    """What an agent needs from a chat reply."""
-
-    message: dict[str, Any]  # the assistant message, as an agent appends it to its history
-    finish_reason: str | None
-
-
 class SessionClient(Protocol):
     async def create(self) -> str: ...
 
@@ -68,9 +58,12 @@ class SessionClient(Protocol):
         """``n`` new sessions (none left open when it raises)."""
         ...
 
-    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                        seeds: Sequence[int | None] | None = None) -> list[ChatTurn | SessionCallError]:
         """One turn per ``(session_id, body)``, each as :meth:`chat` answers it: its
-        :class:`SessionCallError` in its place when it fails (the others go on)."""
+        :class:`SessionCallError` in its place when it fails (the others go on). ``seeds[i]``,
+        when given, is turn ``i``'s ``seed``, as if its body held it (``{**body, "seed":
+        seeds[i]}``): the turns of a GRPO group may share one body object."""
         ...
 
     async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:
@@ -145,15 +138,13 @@ class LocalSessions:
         except SessionError as exc:
             raise _failed("POST /sessions", exc) from None
 
-    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
-        """The turns as one :meth:`~miles_core.session.service.SessionService.chat_many`."""
-        out: list[ChatTurn | SessionCallError] = []
-        for (session_id, _), outcome in zip(turns, await self.service.chat_many(turns), strict=True):
-            if isinstance(outcome, SessionError):
-                out.append(_failed(f"POST /sessions/{session_id}/v1/chat/completions", outcome))
-            else:
-                completion = outcome.completion
-                out.append(ChatTurn(completion.message, completion.finish_reason))
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                        seeds: Sequence[int | None] | None = None) -> list[ChatTurn | SessionCallError]:
+        """The turns as one :meth:`~miles_core.session.service.SessionService.chat_turns`."""
+        out: list[ChatTurn | SessionCallError] = await self.service.chat_turns(turns, seeds=seeds)  # type: ignore[assignment]  # errors replaced below
+        for index, turn in enumerate(out):
+            if type(turn) is not ChatTurn:
+                out[index] = _failed(f"POST /sessions/{turns[index][0]}/v1/chat/completions", turn)  # type: ignore[arg-type]  # a SessionError
         return out
 
     async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:
@@ -206,13 +197,16 @@ class HTTPSessions:
             raise failed[0]
         return created  # type: ignore[return-value]  # all str: no failure
 
-    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatTurn | SessionCallError]:
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                        seeds: Sequence[int | None] | None = None) -> list[ChatTurn | SessionCallError]:
         async def one(session_id: str, body: dict[str, Any]) -> ChatTurn | SessionCallError:
             try:
                 return await self.chat(session_id, body)
             except SessionCallError as exc:
                 return exc
 
+        if seeds is not None:
+            turns = [(session_id, {**body, "seed": seed}) for (session_id, body), seed in zip(turns, seeds, strict=True)]
         return list(await asyncio.gather(*(one(session_id, body) for session_id, body in turns)))
 
     async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:

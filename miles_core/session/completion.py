@@ -52,6 +52,15 @@ class Completion:
         return self.finish_reason == "length"
 
 
+@quick_init
+@dataclass(frozen=True)
+class ChatTurn:
+    """What an agent needs from a chat reply."""
+
+    message: dict[str, Any]  # the assistant message, as an agent appends it to its history
+    finish_reason: str | None
+
+
 def extract_completion(reply: Mapping[str, Any], *, vocab_size: int) -> Completion:
     """The completion carried by ``reply``; ``vocab_size`` bounds its token ids (module docstring)."""
     choices = reply.get("choices")

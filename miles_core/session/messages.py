@@ -49,9 +49,10 @@ def message_key(message: Mapping[str, Any]) -> MessageKey:
         if tool_calls
         else ()
     )
+    content = message.get("content")
     return (
         message["role"],
-        text_of(message.get("content")),
+        content if type(content) is str else text_of(content),  # str: most messages, one call less
         message.get("name"),
         message.get("tool_call_id"),
         calls,

@@ -108,6 +108,16 @@ class ChatRequest:
     #: but for its ``seed`` (the very same objects under every other field), or ``None``
     variant_of: ChatRequest | None = field(default=None, compare=False, repr=False)
 
+    def variant(self, forward: dict[str, Any]) -> ChatRequest:
+        """This request with ``forward`` instead, naming this one as its :attr:`variant_of` (for a
+        body that repeats this one's but for its seed: everything else is this one's)."""
+        copy = object.__new__(ChatRequest)  # what __init__ would set, without its per-field work
+        fields = copy.__dict__
+        fields.update(self.__dict__)
+        fields["forward"] = forward
+        fields["variant_of"] = self
+        return copy
+
 
 @quick_init
 @dataclass(frozen=True)
@@ -157,6 +167,13 @@ class History:
         return count
 
 
+def _str_keys(raw: dict[Any, Any]) -> bool:
+    for key in raw:  # noqa: SIM110  (a loop: all() over a generator costs twice as much here)
+        if type(key) is not str:
+            return False
+    return True
+
+
 def _plain(value: Any) -> bool:
     """Whether ``value`` is made only of strings, lists, dicts and ``None`` (no numbers, no booleans)."""
     if value is None or type(value) is str:
@@ -169,6 +186,11 @@ def _plain(value: Any) -> bool:
 
 
 _MESSAGE: TypeAdapter[_Message] = TypeAdapter(_Message)
+_MESSAGES: TypeAdapter[list[_Message]] = TypeAdapter(list[_Message])
+#: the fields of a chat body the schema declares, messages aside: a body without any of them
+#: validates as its messages do, with every other field at its default (:data:`_BARE_TAIL`)
+_BODY_FIELDS = frozenset(_ChatBody.model_fields) - {"messages"}
+_BARE_TAIL = _ChatTail()
 
 
 #: validated conversations by their exact JSON (GRPO opens many sessions on the same prompt):
@@ -212,7 +234,12 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
     parsed: _ChatBody | None = None
     if repeated:
         try:
-            parsed = _ChatTail.model_validate({**raw, "messages": messages[repeated:]})
+            if _BODY_FIELDS.isdisjoint(raw) and _str_keys(raw):  # only messages to validate (the rest is extra)
+                if len(messages) > repeated:
+                    _MESSAGES.validate_python(messages[repeated:])
+                parsed = _BARE_TAIL
+            else:
+                parsed = _ChatTail.model_validate({**raw, "messages": messages[repeated:]})
         except (ValidationError, RecursionError):
             repeated, known = 0, None  # validated whole below: the error a request gets without a history
     if parsed is None:
@@ -241,36 +268,84 @@ def normalize_chat_object(raw: dict[str, Any], history: History | None = None) -
     )
 
 
+#: a turn of :func:`normalize_chat_batch` sent as its own request says (its forward as it is)
+OWN = object()
+
+
 def normalize_chat_objects(
-    raws: Sequence[dict[str, Any]], histories: Sequence[History | None]
+    raws: Sequence[dict[str, Any]], histories: Sequence[History | None], seeds: Sequence[int | None] | None = None
 ) -> list[ChatRequest | InvalidRequest]:
     """:func:`normalize_chat_object` of each body with its session's history, each result or
-    error in its place. A body that repeats the one before it but for its ``seed`` -- the very
-    same objects under every other field, and the same history: the sessions of a GRPO group,
-    sent one after another -- reuses that one's validation (nothing here reads the seed: it is
-    forwarded as sent, for the engine to check) and names its request as
+    error in its place; ``seeds[i]``, when given, is body ``i``'s ``seed`` (set in the body's
+    own place for it, or added last, as ``{**body, "seed": seeds[i]}``): one body object sent
+    with a seed per session.
+
+    A body that repeats the one before it but for its ``seed`` -- the very same body object, or
+    the very same objects under every other field, and the same history: the sessions of a GRPO
+    group, sent one after another -- reuses that one's validation (nothing here reads the seed:
+    it is forwarded as sent, for the engine to check) and names its request as
     :attr:`ChatRequest.variant_of`."""
+    requests, sent = normalize_chat_batch(raws, histories, seeds)
     out: list[ChatRequest | InvalidRequest] = []
-    first: ChatRequest | None = None  # the request the previous body was validated into
-    previous: dict[str, Any] = {}
-    previous_history: History | None = None
-    for raw, history in zip(raws, histories, strict=True):
-        if first is not None and history is previous_history and _varies_only_in_seed(raw, previous):
-            forward = raw.copy()
-            for name in TRANSPORT_FIELDS:
-                forward.pop(name, None)
-            out.append(ChatRequest(first.messages, first.keys, first.tools, first.template_kwargs, first.stream,
-                                   first.include_usage, forward, first.repeated, first))
+    for index, (request, seed) in enumerate(zip(requests, sent)):
+        if index and request is requests[index - 1]:  # the request of the body before, shared
+            assert isinstance(request, ChatRequest)
+            forward = request.forward.copy() if seed is OWN else forward_with(request, seed)
+            request = (request.variant_of or request).variant(forward)
+        out.append(request)
+    return out
+
+
+def normalize_chat_batch(
+    raws: Sequence[dict[str, Any]], histories: Sequence[History | None], seeds: Sequence[int | None] | None = None
+) -> tuple[list[ChatRequest | InvalidRequest], list[Any]]:
+    """:func:`normalize_chat_objects` for a caller that sends each turn as ``(request, seed)``
+    (:func:`forward_with`): a body that is the very object of the one before it (and has the
+    same history) is answered with the request that one was answered with, itself -- no request
+    made, nor a forward copied, per turn of a group that shares one body -- and with its
+    ``seeds`` entry in ``sent``; every other ``sent`` entry is :data:`OWN`."""
+    if seeds is not None and len(seeds) != len(raws):
+        raise ValueError(f"{len(seeds)} seeds for {len(raws)} bodies")
+    out: list[ChatRequest | InvalidRequest] = []
+    sent: list[Any] = []
+    first: ChatRequest | None = None  # the request the last body validated was validated into
+    previous: dict[str, Any] = {}  # that body (its seed set)
+    previous_history: History | None = None  # and its history
+    previous_raw: Any = None  # the body before, as it was passed
+    last: ChatRequest | None = None  # and the request it was answered with
+    transport = False  # whether the previous body has transport fields (its variants have the same)
+    for index, (raw, history) in enumerate(zip(raws, histories, strict=True)):
+        if last is not None and raw is previous_raw and history is previous_history:
+            out.append(last)
+            sent.append(OWN if seeds is None else seeds[index])
+            continue
+        previous_raw = raw
+        body = raw if seeds is None or type(raw) is not dict else {**raw, "seed": seeds[index]}
+        sent.append(OWN)
+        if first is not None and history is previous_history and _varies_only_in_seed(body, previous):
+            forward = body.copy()
+            if transport:
+                for name in TRANSPORT_FIELDS:
+                    forward.pop(name, None)
+            last = first.variant(forward)
+            out.append(last)
             continue
         try:
-            request = normalize_chat_object(raw, history)
+            request = normalize_chat_object(body, history)
         except InvalidRequest as exc:
             out.append(exc)
-            first = None
+            first = last = None
             continue
         out.append(request)
-        first, previous, previous_history = request, raw, history
-    return out
+        first = last = request
+        previous, previous_history = body, history
+        transport = any(name in body for name in TRANSPORT_FIELDS)
+    return out, sent
+
+
+def forward_with(request: ChatRequest, seed: Any) -> dict[str, Any]:
+    """What ``request`` forwards when sent with ``seed`` (:data:`OWN`: its forward as it is)."""
+    return request.forward if seed is OWN else {**request.forward, "seed": seed}
 
 
 def _varies_only_in_seed(raw: Any, previous: dict[str, Any]) -> bool:
@@ -298,9 +373,10 @@ def normalize_samples_request(body: bytes) -> SampleOptions:
     return SampleOptions(max_seq_len=parsed.max_seq_len, metadata=metadata)
 
 
-def upstream_body(request: ChatRequest, prompt_ids: Sequence[int]) -> dict[str, Any]:
-    """The body sent upstream: the client's fields, the server-owned prompt ids, forced flags."""
-    return {**request.forward, "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
+def upstream_body(request: ChatRequest, prompt_ids: Sequence[int], seed: Any = OWN) -> dict[str, Any]:
+    """The body sent upstream: the client's fields (``seed``: sent with that seed,
+    :func:`forward_with`), the server-owned prompt ids, forced flags."""
+    return {**forward_with(request, seed), "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
 
 
 def _validate(model: type[ModelT], raw: dict[str, Any]) -> ModelT:

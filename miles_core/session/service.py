@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.frozen import quick_init
 from miles_core.session.base import PromptTokenizer, SessionVersion, TrajectoryStore
-from miles_core.session.completion import Completion
+from miles_core.session.completion import ChatTurn, Completion
 from miles_core.session.config import ServiceLimits
 from miles_core.session.errors import Conflict, InvalidRequest, SessionError, SessionNotFound
 from miles_core.session.normalize import (
     ChatRequest,
     History,
+    normalize_chat_batch,
     normalize_chat_object,
-    normalize_chat_objects,
     normalize_chat_request,
     normalize_samples_request,
     parse_json_object,
@@ -228,56 +228,100 @@ class SessionService:
         session = self.get(session_id)
         return await self._turn(session, normalize_chat_object(body, session.history))
 
-    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]]) -> list[ChatOutcome | SessionError]:
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                        seeds: Sequence[int | None] | None = None) -> list[ChatOutcome | SessionError]:
         """One turn in each of many sessions, from parsed bodies (an agent in this process driving
         a batch of sessions in step), in one call: each turn is validated, planned and committed
         as :meth:`chat_object` does it and fails alone -- its error in its place, its session
         unchanged -- and the turns that pass reach the upstream together
         (:meth:`~miles_core.session.upstream.Upstream.generate_many`). A body that repeats the
         one before it but for its ``seed`` (a GRPO group's, one after another) is not validated
-        again, nor is its conversation rendered again."""
-        results: list[ChatOutcome | SessionError | None] = [None] * len(turns)
-        sessions = [self._sessions.get(session_id) for session_id, _ in turns]
-        requests = normalize_chat_objects(
-            [body for _, body in turns], [None if session is None else session.history for session in sessions]
+        again, nor is its conversation rendered again. ``seeds[i]``, when given, is turn ``i``'s
+        ``seed``, as if its body held it (:func:`~miles_core.session.normalize.normalize_chat_objects`):
+        a group's turns may then share one body object."""
+        return await self._chat_batch(turns, replies=True, seeds=seeds)  # type: ignore[return-value]  # replies: outcomes
+
+    async def chat_turns(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                         seeds: Sequence[int | None] | None = None) -> list[ChatTurn | SessionError]:
+        """:meth:`chat_many` answering each turn with only what an agent in this process reads of
+        the reply (:class:`~miles_core.session.completion.ChatTurn`): nothing is kept for an HTTP
+        reply that no one will send."""
+        return await self._chat_batch(turns, replies=False, seeds=seeds)  # type: ignore[return-value]  # no replies: chat turns
+
+    async def _chat_batch(self, turns: Sequence[tuple[str, dict[str, Any]]], *, replies: bool,
+                          seeds: Sequence[int | None] | None) -> list[ChatOutcome | ChatTurn | SessionError]:
+        """:meth:`chat_many` (``replies``) or :meth:`chat_turns`. The pipeline of :meth:`_turn`
+        (:meth:`_start`, the upstream, :meth:`_commit`) written out for a batch: a step's turns
+        are hundreds of sessions' first turns, and its calls and objects per turn were a good part
+        of what an episode costs in this process."""
+        results: list[ChatOutcome | ChatTurn | SessionError | None] = [None] * len(turns)
+        known = self._sessions.get
+        sessions = [known(session_id) for session_id, _ in turns]
+        requests, sent = normalize_chat_batch(
+            [body for _, body in turns],
+            # Session.history, without building a history for a session that has none
+            [None if session is None or (session._last_turn is None and session._history is None) else session.history
+             for session in sessions],
+            seeds,
         )
         tokenizer = _SharedRenders(self.tokenizer)
-        pending: list[tuple[int, _Pending]] = []
+        max_in_flight = self.version.max_in_flight
+        pending: list[tuple[int, Session, Plan, ChatRequest]] = []
         calls: list[UpstreamCall] = []
         try:
-            for index, (session, request) in enumerate(zip(sessions, requests)):
+            for index, (session, request, seed) in enumerate(zip(sessions, requests, sent)):
                 if session is None:
                     results[index] = SessionNotFound(f"no session {turns[index][0][:64]!r}")
-                elif isinstance(request, SessionError):
+                    continue
+                if isinstance(request, SessionError):
                     results[index] = request
-                else:
-                    try:
-                        started = self._start(session, request, tokenizer)
-                    except SessionError as exc:
-                        results[index] = exc
-                        continue
-                    pending.append((index, started))
-                    calls.append((request, started.plan.prompt_ids, session.id))
-            del requests, tokenizer
-            generations = await self.upstream.generate_many(calls) if calls else []
-        except BaseException:
-            for _, started in pending:
-                started.session.end_generation()
-            raise
-        committing = iter(zip(pending, generations, strict=True))
-        try:
-            for (index, started), generation in committing:
-                if isinstance(generation, SessionError):
-                    started.session.end_generation()
-                    results[index] = generation
                     continue
                 try:
-                    results[index] = self._commit(started, generation)
+                    session.begin_generation(max_in_flight)
                 except SessionError as exc:
                     results[index] = exc
+                    continue
+                try:
+                    plan = session.store.plan(request, tokenizer)
+                except BaseException as exc:
+                    session.end_generation()
+                    if not isinstance(exc, SessionError):
+                        raise
+                    results[index] = exc
+                    continue
+                pending.append((index, session, plan, request))
+                calls.append((request, plan.prompt_ids, session.id, seed))
+            del requests, sent, tokenizer
+            generations = await self.upstream.generate_many(calls) if calls else []
+        except BaseException:
+            for _, session, _, _ in pending:
+                session.end_generation()
+            raise
+        del calls
+        committing = iter(zip(pending, generations, strict=True))
+        try:
+            for (index, session, plan, request), generation in committing:
+                if isinstance(generation, SessionError):
+                    session.end_generation()
+                    results[index] = generation
+                    continue
+                completion = generation.completion
+                try:  # _commit's steps
+                    turn = session.store.commit(plan, completion, generation.record)
+                    session.committed_tokens += len(turn.token_ids)
+                    session.committed(request.messages, request.keys, completion.message, request.repeated)
+                except SessionError as exc:
+                    results[index] = exc
+                    continue
+                finally:
+                    session.end_generation()
+                results[index] = (
+                    ChatOutcome(completion, request.stream, request.include_usage, generation.reply) if replies
+                    else ChatTurn(completion.message, completion.finish_reason)
+                )
         finally:  # after an unexpected error, the turns not reached give their slots back
-            for (_, started), _ in committing:
-                started.session.end_generation()
+            for (_, session, _, _), _ in committing:
+                session.end_generation()
         return results  # type: ignore[return-value]  # every index was filled above
 
     async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:
@@ -323,7 +367,11 @@ class SessionService:
 
     def samples_many(self, session_ids: Sequence[str], options: SampleOptions | None = None) -> list[SampleBatch]:
         """:meth:`samples` of each session; an unknown one raises 404 before any is assembled."""
-        stores = [self.get(session_id).store for session_id in session_ids]
+        known = self._sessions.get
+        sessions = [known(session_id) for session_id in session_ids]
+        if None in sessions:
+            self.get(session_ids[sessions.index(None)])  # raises, naming it
+        stores = [session.store for session in sessions]  # type: ignore[union-attr]  # none is None
         options = options or SampleOptions()
         return [store.samples(options) for store in stores]
 

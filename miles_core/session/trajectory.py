@@ -151,6 +151,11 @@ class Plan:
     revision: int  # the store revision the plan was made against
 
 
+#: the last root turn planned (:func:`plan_turn`): a plan holds only immutable values, so one made
+#: of the very same objects is that plan
+_last_root = Plan(None, (), (), (), 0, -1)
+
+
 def deepest_match(
     keys: Sequence[MessageKey], roots: Iterable[Turn], children_of: Callable[[Turn], Iterable[Turn]]
 ) -> Turn | None:
@@ -172,9 +177,16 @@ def plan_turn(
     request: ChatRequest, parent: Turn | None, tokenizer: PromptTokenizer, *, revision: int
 ) -> Plan:
     """Plan a turn under ``parent`` (``None``: a new root) for ``request``."""
+    global _last_root
     if parent is None:
-        prompt = tokenizer.render_prompt(request.messages, tools=request.tools, template_kwargs=request.template_kwargs)
-        return Plan(None, request.messages, request.keys, prompt, 0, revision)
+        messages, keys = request.messages, request.keys
+        prompt = tokenizer.render_prompt(messages, tools=request.tools, template_kwargs=request.template_kwargs)
+        last = _last_root
+        # the sessions of a GRPO group plan the same root from the very same (immutable) objects
+        if last.prompt_ids is prompt and last.messages is messages and last.keys is keys and last.revision == revision:
+            return last
+        _last_root = Plan(None, messages, keys, prompt, 0, revision)
+        return _last_root
     if parent.completion.truncated:
         raise Conflict(
             f"turn {parent.seq} was cut off at its token limit (finish_reason=length) and cannot be "
@@ -198,7 +210,8 @@ def plan_turn(
 
 def build_turn(seq: int, plan: Plan, completion: Completion, record: Record) -> Turn:
     """The turn ``plan`` + ``completion`` make, after checking the token invariants."""
-    check_aligned(completion.token_ids, completion.logprobs)
+    if len(completion.token_ids) != len(completion.logprobs):
+        check_aligned(completion.token_ids, completion.logprobs)  # raises, naming both lengths
     prompt = tuple(plan.prompt_ids)
     if plan.parent is None:
         observation = prompt
@@ -265,6 +278,12 @@ def assemble_samples(leaves: Sequence[Turn], options: SampleOptions) -> SampleBa
     (loss mask 1) only in the first sample that contains it."""
     if not leaves:
         return SampleBatch([], "no_records")
+    if len(leaves) == 1:  # one leaf (every v1 session, most RL episodes): nothing shared to track
+        leaf = leaves[0]
+        if leaf.parent is None:
+            if options.max_seq_len is not None and len(leaf.token_ids) > options.max_seq_len:
+                return SampleBatch([], "all_truncated")
+            return SampleBatch([root_sample(leaf, options.metadata)], None)
     trained: set[int] = set()
     samples = []
     for leaf in leaves:
@@ -272,6 +291,30 @@ def assemble_samples(leaves: Sequence[Turn], options: SampleOptions) -> SampleBa
         if sample is not None:
             samples.append(sample)
     return SampleBatch(samples, None if samples else "all_truncated")
+
+
+def root_sample(turn: Turn, metadata: Mapping[str, Any]) -> Sample:
+    """:func:`assemble_sample` of a trajectory of one turn, kept whole, in a batch of one sample:
+    its completion is the whole response, trained."""
+    completion = turn.completion
+    prompt_length = len(turn.observation_ids)
+    response_length = len(turn.token_ids) - prompt_length
+    if len(completion.token_ids) != response_length:
+        raise TokenInvariantError(
+            f"sample for turn {turn.seq}: loss mask has {len(completion.token_ids)} entries for "
+            f"{response_length} response tokens"
+        )
+    server = {"leaf": turn.seq, "turns": [turn.seq], "finish_reason": completion.finish_reason, "dropped_turns": 0}
+    return Sample(
+        list(turn.token_ids),
+        prompt_length,
+        response_length,
+        [1] * response_length,
+        list(completion.logprobs),
+        "truncated" if completion.finish_reason == "length" else "completed",
+        [completion.weight_version],
+        {**metadata, **server} if metadata else server,
+    )
 
 
 def assemble_sample(chain: Sequence[Turn], options: SampleOptions, trained: set[int]) -> Sample | None:

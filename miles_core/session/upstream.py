@@ -27,7 +27,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,7 +47,7 @@ from miles_core.session.completion import (
 )
 from miles_core.session.errors import InvalidRequest, SessionError, UpstreamFailure
 from miles_core.session.messages import Message
-from miles_core.session.normalize import ChatRequest, upstream_body
+from miles_core.session.normalize import OWN, ChatRequest, forward_with, upstream_body
 from miles_core.session.trajectory import DeferredRecord, Record, TurnRecord
 
 #: results of requests submitted together reach the event loop together: when the last of them is
@@ -62,19 +62,37 @@ if TYPE_CHECKING:
     from miles_core.engine.engine import Engine
 
 
-@quick_init
-@dataclass(frozen=True, eq=False)
-class Generation:
+class Generation(Protocol):
     """One engine call: what the store commits, what it records, what the agent receives."""
 
+    @property
+    def completion(self) -> Completion: ...
+
+    @property
+    def record(self) -> Record: ...
+
+    def reply(self) -> dict[str, Any]:
+        """The reply to the agent (replay data stripped), built when asked for."""
+        ...
+
+
+@quick_init
+@dataclass(frozen=True, eq=False)
+class Received:
+    """A :class:`Generation` whose reply came over the wire."""
+
     completion: Completion
-    record: Record
-    #: the reply to the agent (replay data stripped), built when asked for
-    reply: Callable[[], dict[str, Any]]
+    record: TurnRecord
+    answer: dict[str, Any]  # the reply to the agent
+
+    def reply(self) -> dict[str, Any]:
+        return self.answer
 
 
 #: one turn for :meth:`Upstream.generate_many`: the request, its planned prompt ids, its routing key
-UpstreamCall = tuple[ChatRequest, Sequence[int], str]
+#: and the seed it is sent with (:data:`~miles_core.session.normalize.OWN`: the request's own;
+#: :func:`~miles_core.session.normalize.forward_with`)
+UpstreamCall = tuple[ChatRequest, Sequence[int], str, Any]
 
 
 class Upstream(Protocol):
@@ -96,8 +114,11 @@ class HTTPUpstream:
         self.vocab_size = vocab_size
 
     async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
+        return await self._generate(request, prompt_ids, routing_key, OWN)
+
+    async def _generate(self, request: ChatRequest, prompt_ids: Sequence[int], routing_key: str, seed: Any) -> Generation:
         try:
-            sent = strict_json.dumps(upstream_body(request, prompt_ids))
+            sent = strict_json.dumps(upstream_body(request, prompt_ids, seed))
         except ValueError as exc:
             raise InvalidRequest(f"the request cannot be forwarded upstream: {exc}") from None
         asked_logprobs = request.forward.get("logprobs") is True
@@ -111,14 +132,14 @@ class HTTPUpstream:
             raise upstream_error(exc) from exc
         completion = extract_completion(reply, vocab_size=self.vocab_size)
         answer = client_reply(reply, logprobs=asked_logprobs)
-        return Generation(completion, TurnRecord(sent, received, started, time.time()), lambda: answer)
+        return Received(completion, TurnRecord(sent, received, started, time.time()), answer)
 
     async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
         """The calls as concurrent requests (the engine client's pool bounds them)."""
 
-        async def one(request: ChatRequest, prompt_ids: Sequence[int], routing_key: str) -> Generation | SessionError:
+        async def one(request: ChatRequest, prompt_ids: Sequence[int], routing_key: str, seed: Any) -> Generation | SessionError:
             try:
-                return await self.generate(request, prompt_ids, routing_key=routing_key)
+                return await self._generate(request, prompt_ids, routing_key, seed)
             except SessionError as exc:
                 return exc
 
@@ -184,8 +205,8 @@ class EngineUpstream:
         message, finish_reason = assistant
         check_sampled(done.token_ids, done.logprobs, self.vocab_size)
         completion = make_completion(message, done.token_ids, done.logprobs, finish_reason, done.weight_version)
-        record = _Exchange(request.forward, prompt, req, done, assistant, self._decoder, self.engine.name, started, time.time())
-        return Generation(completion, record, record.reply)
+        return _Exchange(completion, request.forward, OWN, prompt, req, done, assistant, self._decoder, self.engine.name,
+                         started, time.time())
 
     async def generate_many(self, calls: Sequence[UpstreamCall]) -> list[Generation | SessionError]:
         """The calls' requests as one ``submit_batch``, awaited as one (a timeout or a cancelled
@@ -195,62 +216,75 @@ class EngineUpstream:
         seed (:attr:`ChatRequest.variant_of`) reuses its validation and sampling parameters, the
         token ids and log-probs of all completions are checked in one pass, and each distinct
         completion of a request is parsed into its assistant message once."""
-        from miles_core.engine.base import GenerationRequest, InvalidRequestError
+        from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
 
         results: list[Generation | SessionError | None] = [None] * len(calls)
-        prepared: list[tuple[int, ChatRequest, tuple[int, ...], Any]] = []
+        prepared: list[tuple[int, ChatRequest, Any, tuple[int, ...], Any]] = []
         requests: list[engine_base.GenerationRequest] = []
         # the request last validated (the one its variants name), its prompt's length (what
-        # sampling reads), the validated request and its sampling parameters
-        last: tuple[ChatRequest, int, Any, engine_base.SamplingParams] | None = None
-        for index, (request, prompt_ids, _) in enumerate(calls):
+        # sampling reads), the validated request and its sampling parameters' fields
+        last: ChatRequest | None = None
+        last_length = -1
+        req: Any = None  # set with last
+        template: dict[str, Any] = {}
+        for index, (request, prompt_ids, _, sent) in enumerate(calls):
             prompt = prompt_ids if type(prompt_ids) is tuple else tuple(prompt_ids)
-            seed = request.forward.get("seed")
-            if (last is not None and request.variant_of is last[0] and len(prompt) == last[1]
+            seed = request.forward.get("seed") if sent is OWN else sent
+            if ((request is last or request.variant_of is last) and last is not None and len(prompt) == last_length
                     and (seed is None or (type(seed) is int and 0 <= seed < 2**63))):
-                req, sampling = last[2], last[3].with_seed(seed)
+                # SamplingParams.with_seed without its check of the seed, just made
+                sampling = object.__new__(SamplingParams)
+                fields = sampling.__dict__
+                fields.update(template)
+                fields["seed"] = seed
             else:
                 try:
-                    req, sampling = self._engine_request(request.forward, len(prompt))
+                    req, sampling = self._engine_request(forward_with(request, sent), len(prompt))
                 except InvalidRequestError as exc:
                     results[index] = InvalidRequest(f"the engine rejected the request: {exc}")
                     last = None
                     continue
-                last = (request.variant_of or request, len(prompt), req, sampling)
-            prepared.append((index, request, prompt, req))
+                last, last_length, template = request.variant_of or request, len(prompt), sampling.__dict__
+            prepared.append((index, request, sent, prompt, req))
             requests.append(GenerationRequest(prompt, sampling, req.rid))
-        del last
+        del last, template
         started = time.time()
         outcomes = await self._generate_batch(requests) if requests else []
         finished = time.time()
         sampled = [done for done in outcomes if not isinstance(done, BaseException)]
         checked = sampled_plausibly([d.token_ids for d in sampled], [d.logprobs for d in sampled], self.vocab_size)
-        protocol, decoder, model = self._protocol, self._decoder, self.engine.name
+        protocol, decoder, model, vocab_size = self._protocol, self._decoder, self.engine.name, self.vocab_size
         # by the identity of the validated request and what its assistant message is made of
         parsed: dict[tuple[Any, ...], tuple[tuple[dict[str, Any], str], Message, Any]] = {}
-        for (index, request, prompt, req), done in zip(prepared, outcomes, strict=True):
+        for (index, request, sent, prompt, req), done in zip(prepared, outcomes, strict=True):
             if isinstance(done, BaseException):
                 results[index] = done if isinstance(done, SessionError) else _engine_failure(done)
                 continue
-            token_ids, finish = done.token_ids, done.finish_reason
-            try:
-                if not checked:
-                    check_sampled(token_ids, done.logprobs, self.vocab_size)
-                key = (id(req), token_ids, finish, done.matched_stop)
-                entry = parsed.get(key)
-                if entry is None:
+            token_ids = done.token_ids
+            entry = parsed.get((id(req), token_ids, done.finish_reason, done.matched_stop))
+            if entry is None:
+                try:
+                    if not checked:
+                        check_sampled(token_ids, done.logprobs, vocab_size)
                     assistant = protocol.assistant_message(req, done, decoder)
                     message = checked_message(assistant[0], bool(token_ids), assistant[1])
-                    parsed[key] = (assistant, message, req)
-                else:  # each turn its own message, as if parsed for it (_Exchange copies the other)
-                    assistant, message = entry[0], dict(entry[1])
-            except SessionError as exc:
-                results[index] = exc
-                continue
+                except SessionError as exc:
+                    results[index] = exc
+                    continue
+                parsed[(id(req), token_ids, done.finish_reason, done.matched_stop)] = (assistant, message, req)
+            else:  # each turn its own message, as if parsed for it (_Exchange copies the other)
+                if not checked:  # the same tokens: only the log-probs may fail
+                    try:
+                        check_sampled(token_ids, done.logprobs, vocab_size)
+                    except SessionError as exc:
+                        results[index] = exc
+                        continue
+                assistant, message = entry[0], dict(entry[1])
             version = done.weight_version
-            completion = Completion(message, token_ids, done.logprobs, assistant[1], None if version is None else str(version))
-            record = _Exchange(request.forward, prompt, req, done, assistant, decoder, model, started, finished)
-            results[index] = Generation(completion, record, record.reply)
+            completion = Completion(message, token_ids, done.logprobs, assistant[1],
+                                    version if type(version) is str or version is None else str(version))
+            results[index] = _Exchange(completion, request.forward, sent, prompt, req, done, assistant, decoder, model, started,
+                                       finished)
         return results  # type: ignore[return-value]  # every index was filled above
 
     async def _generate_batch(self, requests: list[engine_base.GenerationRequest]) -> list[Any]:
@@ -417,29 +451,37 @@ class _Batch:
 
 
 class _Exchange(DeferredRecord):
-    """An in-process engine call as the JSON it would have been: the request the engine's HTTP
-    front would have received and its reply, built when first read and kept."""
+    """An in-process engine call: the :class:`Generation` (its own record) and, as the JSON it
+    would have been, the request the engine's HTTP front would have received and its reply,
+    built when first read and kept."""
 
-    __slots__ = ("_json", "_parts")
+    __slots__ = ("_json", "_parts", "completion")
 
-    def __init__(self, forward: dict[str, Any], prompt: tuple[int, ...], req: Any, done: Any,
-                 assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, started: float,
+    def __init__(self, completion: Completion, forward: dict[str, Any], seed: Any, prompt: tuple[int, ...], req: Any,
+                 done: Any, assistant: tuple[dict[str, Any], str], decoder: _Decoder, model: str, started: float,
                  finished: float) -> None:
+        self.completion = completion
         self.started_at = started
         self.finished_at = finished
-        self._parts = (forward, prompt, req, done, assistant, decoder, model)
+        self._parts = (forward, seed, prompt, req, done, assistant, decoder, model)
         self._json: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def render(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self._json is None:
             from miles_core.engine import protocol
 
-            forward, prompt, req, done, (message, finish_reason), decoder, model = self._parts
+            forward, seed, prompt, req, done, (message, finish_reason), decoder, model = self._parts
+            if seed is not OWN:  # sent with this seed (forward_with)
+                forward = {**forward, "seed": seed}
             # the message may be shared with other turns of a batch (EngineUpstream.generate_many)
             response = protocol.chat_response(req, done, decoder, model=model, assistant=(dict(message), finish_reason),
                                               created=int(self.started_at))
             self._json = {**forward, "input_ids": list(prompt)}, response
         return self._json
+
+    @property
+    def record(self) -> _Exchange:
+        return self
 
     def reply(self) -> dict[str, Any]:
         return client_reply(self.render()[1])

@@ -172,29 +172,33 @@ class AgenticRollout:
             raise EpisodeError(str(exc), exc.status) from None
         finally:
             await sessions.delete_many(ids)
-        return [self._trajectory(*episode) for episode in zip(prompts, samples, replies, turns, strict=True)]
+        return self._trajectories(prompts, samples, replies, turns)
 
     async def _chat_round(self, ids: Sequence[str], active: Sequence[int], conversations: Sequence[list[dict[str, Any]]],
                           seeds: Sequence[int], turns: list[int], replies: list[ChatTurn]) -> None:
         """The next turn of every ``active`` episode, in one call (a turn that fails upstream, 502,
         is sent again, at most :data:`UPSTREAM_RETRIES` times)."""
         s, tools = self.settings, self._tool_schemas
-        # the same objects in every body: a group's bodies then differ only in their seed
-        max_tokens, temperature, top_p, top_k = s.max_new_tokens, s.temperature, s.top_p, s.top_k
+        fields: dict[str, Any] = {"max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                                  "top_k": s.top_k, "seed": None}  # each turn's seed is sent in its place
+        if tools:
+            fields["tools"] = tools
+        # one body per conversation object (a group's episodes share theirs until they diverge),
+        # sent with each episode's own seed
+        bodies: dict[int, dict[str, Any]] = {}
         failures: dict[int, int] = {}
         todo = list(active)
         while todo:
-            bodies = []
+            turns_now, seeds_now = [], []
             for i in todo:
-                body: dict[str, Any] = {
-                    "messages": conversations[i], "max_tokens": max_tokens, "temperature": temperature,
-                    "top_p": top_p, "top_k": top_k, "seed": (seeds[i] + turns[i]) % 2**63,
-                }
-                if tools:
-                    body["tools"] = tools
-                bodies.append((ids[i], body))
+                conversation = conversations[i]
+                body = bodies.get(id(conversation))
+                if body is None:
+                    body = bodies[id(conversation)] = {"messages": conversation, **fields}
+                turns_now.append((ids[i], body))
+                seeds_now.append((seeds[i] + turns[i]) % 2**63)
             retry = []
-            for i, result in zip(todo, await self.sessions.chat_many(bodies), strict=True):
+            for i, result in zip(todo, await self.sessions.chat_many(turns_now, seeds=seeds_now), strict=True):
                 if isinstance(result, SessionCallError):
                     failures[i] = failures.get(i, 0) + 1
                     if result.status != 502 or failures[i] > UPSTREAM_RETRIES:
@@ -205,29 +209,35 @@ class AgenticRollout:
                     turns[i] += 1
             todo = retry
 
-    def _trajectory(self, prompt: Prompt, samples: Sequence[Sample], reply: ChatTurn, turns: int) -> Trajectory:
-        if len(samples) != 1:
-            raise EpisodeError(f"expected one sample per linear episode, got {len(samples)}")
-        sample = samples[0]
-        tokens, n, versions = tuple(sample.tokens), sample.response_length, sample.weight_versions
-        return Trajectory(  # positional: one per episode
-            prompt,
-            tokens,
-            n,
-            tuple(sample.loss_mask),
-            tuple(sample.rollout_log_probs),
-            reply.message.get("content") or "",
-            self._first_token(tokens[len(tokens) - n]) if n else "",
-            turns,
-            reply.finish_reason or "",
-            str(versions[0]) if len(versions) == 1 else ",".join(sorted({str(v) for v in versions})),
-        )
-
-    def _first_token(self, token_id: int) -> str:
-        text = self._first_tokens.get(token_id)
-        if text is None:
-            text = self._first_tokens[token_id] = self.tokenizer.decode([token_id])
-        return text
+    def _trajectories(self, prompts: Sequence[Prompt], samples: Sequence[Sequence[Sample]], replies: Sequence[ChatTurn],
+                      turns: Sequence[int]) -> list[Trajectory]:
+        """Each episode's trajectory, from its one sample and its last reply."""
+        first_tokens, decode = self._first_tokens, self.tokenizer.decode  # a token's text: one decode per run
+        out = []
+        for prompt, episode, reply, turn_count in zip(prompts, samples, replies, turns, strict=True):
+            if len(episode) != 1:
+                raise EpisodeError(f"expected one sample per linear episode, got {len(episode)}")
+            sample = episode[0]
+            tokens, n, versions = tuple(sample.tokens), sample.response_length, sample.weight_versions
+            first = ""
+            if n:
+                token = tokens[len(tokens) - n]
+                cached = first_tokens.get(token)
+                first = cached if cached is not None else first_tokens.setdefault(token, decode([token]))
+            out.append(Trajectory(  # positional: one per episode
+                prompt,
+                tokens,
+                n,
+                tuple(sample.loss_mask),
+                tuple(sample.rollout_log_probs),
+                reply.message.get("content") or "",
+                first,
+                turn_count,
+                reply.finish_reason or "",
+                versions[0] if len(versions) == 1 and type(versions[0]) is str
+                else ",".join(sorted({str(v) for v in versions})),
+            ))
+        return out
 
     async def _call_tools(self, calls: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One episode's tool calls, in order."""
