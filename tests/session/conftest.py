@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -21,6 +21,9 @@ from miles_core.session.tokenizer import ChatTokenizer
 from miles_core.testing.engine_stub import Fault, ScriptedChat, StubEngine
 from miles_core.testing.isolation import register_builtins
 
+if TYPE_CHECKING:  # torch loads only in the modules whose tests use the engine fixtures
+    from miles_core.engine.engine import Engine
+
 
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
@@ -31,6 +34,32 @@ def tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def chat_tokenizer(tokenizer_dir: Path) -> ChatTokenizer:
     return ChatTokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The tiny preset (model and tokenizer), built once into the miles cache."""
+    from miles_core.engine.presets import preset_dir
+
+    return preset_dir("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Iterator[Engine]:
+    """The embedded engine over the tiny preset, one per test module."""
+    import torch
+
+    from miles_core.engine.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=16)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def preset_chat_tokenizer(tiny_dir: Path) -> ChatTokenizer:
+    """The chat tokenizer of the tiny preset's own directory (the one its engine serves)."""
+    return ChatTokenizer.from_dir(tiny_dir)
 
 
 @dataclass

@@ -25,39 +25,14 @@ from miles_core.session.versions import LinearVersion, TreeVersion  # noqa: E402
 VERSIONS = {"v1": LinearVersion(), "v2": TreeVersion()}
 
 
-@pytest.fixture(scope="module")
-def tiny_dir():
-    from miles_core.engine.presets import preset_dir
-
-    return preset_dir("tiny")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    import torch
-
-    from miles_core.engine.engine import Engine, EngineConfig
-
-    torch.set_num_threads(1)
-    with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=16)) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_dir):
-    from miles_core.session.tokenizer import ChatTokenizer
-
-    return ChatTokenizer.from_dir(tiny_dir)
-
-
-def _services(engine, chat_tokenizer, version):
+def _services(engine, preset_chat_tokenizer, version):
     """The same service twice: the engine's HTTP app called in-process, and the engine itself."""
     from miles_core.engine.server import create_app
 
-    over_http = HTTPUpstream(EngineClient("http://engine", app=create_app(engine)), vocab_size=chat_tokenizer.vocab_size)
-    in_process = EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size)
-    return (SessionService(VERSIONS[version], chat_tokenizer, over_http),
-            SessionService(VERSIONS[version], chat_tokenizer, in_process))
+    over_http = HTTPUpstream(EngineClient("http://engine", app=create_app(engine)), vocab_size=preset_chat_tokenizer.vocab_size)
+    in_process = EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size)
+    return (SessionService(VERSIONS[version], preset_chat_tokenizer, over_http),
+            SessionService(VERSIONS[version], preset_chat_tokenizer, in_process))
 
 
 def _conversation(service: SessionService, *, bytes_api: bool) -> tuple[str, list[dict]]:
@@ -93,8 +68,8 @@ def _without_ids(reply: dict) -> dict:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-def test_in_process_engine_gives_what_http_gives(engine, chat_tokenizer, version) -> None:
-    over_http, in_process = _services(engine, chat_tokenizer, version)
+def test_in_process_engine_gives_what_http_gives(engine, preset_chat_tokenizer, version) -> None:
+    over_http, in_process = _services(engine, preset_chat_tokenizer, version)
     sid_http, replies_http = _conversation(over_http, bytes_api=True)
     sid_local, replies_local = _conversation(in_process, bytes_api=False)
     assert [_without_ids(r) for r in replies_local] == [_without_ids(r) for r in replies_http]
@@ -111,8 +86,8 @@ def test_in_process_engine_gives_what_http_gives(engine, chat_tokenizer, version
     assert "logprobs" not in local_records[0]["request"]  # in-process, nothing is asked for that no one reads
 
 
-def test_log_probs_only_when_the_caller_asks(engine, chat_tokenizer) -> None:
-    for service in _services(engine, chat_tokenizer, "v1"):
+def test_log_probs_only_when_the_caller_asks(engine, preset_chat_tokenizer) -> None:
+    for service in _services(engine, preset_chat_tokenizer, "v1"):
         async def turn(service=service, **fields):
             sid = service.create()
             body = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 3, "seed": 1, **fields}
@@ -123,8 +98,8 @@ def test_log_probs_only_when_the_caller_asks(engine, chat_tokenizer) -> None:
         assert len(content) == 3 and all(entry["logprob"] <= 0 for entry in content)
 
 
-def test_a_refused_request_in_a_batch_fails_alone_and_records_nothing(engine, chat_tokenizer) -> None:
-    _, service = _services(engine, chat_tokenizer, "v1")
+def test_a_refused_request_in_a_batch_fails_alone_and_records_nothing(engine, preset_chat_tokenizer) -> None:
+    _, service = _services(engine, preset_chat_tokenizer, "v1")
 
     async def run():
         ok_sid, bad_sid = service.create(), service.create()
@@ -140,8 +115,8 @@ def test_a_refused_request_in_a_batch_fails_alone_and_records_nothing(engine, ch
     assert service.describe(bad_sid)["records"] == [] and len(service.describe(ok_sid)["records"]) == 1
 
 
-def test_engine_fields_are_validated_like_the_engine_http_front_does(engine, chat_tokenizer) -> None:
-    _, service = _services(engine, chat_tokenizer, "v1")
+def test_engine_fields_are_validated_like_the_engine_http_front_does(engine, preset_chat_tokenizer) -> None:
+    _, service = _services(engine, preset_chat_tokenizer, "v1")
 
     async def run():
         sid = service.create()
@@ -163,9 +138,9 @@ async def _until_nothing_runs(engine) -> None:
             return
         await asyncio.sleep(0.01)
 
-def test_timeouts_and_cancellations_abort_the_generation(engine, chat_tokenizer) -> None:
-    upstream = EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size, timeout=0.05)
-    service = SessionService(LinearVersion(), chat_tokenizer, upstream)
+def test_timeouts_and_cancellations_abort_the_generation(engine, preset_chat_tokenizer) -> None:
+    upstream = EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size, timeout=0.05)
+    service = SessionService(LinearVersion(), preset_chat_tokenizer, upstream)
     long_turn = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 2000, "ignore_eos": True, "seed": 3}
 
     async def run():
@@ -238,11 +213,11 @@ def _assert_same_turn(a, b) -> None:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-def test_batch_calls_give_what_one_call_per_session_gives(engine, chat_tokenizer, version) -> None:
+def test_batch_calls_give_what_one_call_per_session_gives(engine, preset_chat_tokenizer, version) -> None:
     """create_many / chat_many / samples_many / delete_many against create / chat_object /
     samples / delete, two turns deep: the same turns, replies, records and samples."""
-    one = SessionService(VERSIONS[version], chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
-    many = SessionService(VERSIONS[version], chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
+    one = SessionService(VERSIONS[version], preset_chat_tokenizer, EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size))
+    many = SessionService(VERSIONS[version], preset_chat_tokenizer, EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size))
     first = _group_bodies()
 
     async def per_session():
@@ -284,10 +259,10 @@ def test_batch_calls_give_what_one_call_per_session_gives(engine, chat_tokenizer
     assert one.health()["sessions"] == many.health()["sessions"] == 0
 
 
-def test_a_failing_turn_in_a_batch_fails_alone_and_leaves_its_session_unchanged(engine, chat_tokenizer) -> None:
+def test_a_failing_turn_in_a_batch_fails_alone_and_leaves_its_session_unchanged(engine, preset_chat_tokenizer) -> None:
     from miles_core.session.errors import Conflict, SessionNotFound
 
-    service = SessionService(LinearVersion(), chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
+    service = SessionService(LinearVersion(), preset_chat_tokenizer, EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size))
     ok = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 3, "seed": 1}
     cases = {
         "engine field": {**ok, "frequency_penalty": 0.5},  # refused by the engine's request validation
@@ -312,11 +287,11 @@ def test_a_failing_turn_in_a_batch_fails_alone_and_leaves_its_session_unchanged(
     assert all(service.get(sid).in_flight == 0 for sid in sids)
 
 
-def test_create_samples_and_delete_many_refuse_before_changing_anything(chat_tokenizer) -> None:
+def test_create_samples_and_delete_many_refuse_before_changing_anything(preset_chat_tokenizer) -> None:
     from miles_core.session.config import ServiceLimits
     from miles_core.session.errors import Conflict, SessionNotFound
 
-    service = SessionService(LinearVersion(), chat_tokenizer, upstream=None, limits=ServiceLimits(max_sessions=3))  # type: ignore[arg-type]
+    service = SessionService(LinearVersion(), preset_chat_tokenizer, upstream=None, limits=ServiceLimits(max_sessions=3))  # type: ignore[arg-type]
     sids = service.create_many(2)
     with pytest.raises(Conflict, match="cannot open 2 more"):
         service.create_many(2)
@@ -332,9 +307,9 @@ def test_create_samples_and_delete_many_refuse_before_changing_anything(chat_tok
     assert len({*sids, *service.create_many(2)}) == 4  # fresh ids
 
 
-def test_a_batch_that_times_out_or_is_cancelled_is_aborted_in_the_engine(engine, chat_tokenizer) -> None:
-    upstream = EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size, timeout=0.05)
-    service = SessionService(TreeVersion(), chat_tokenizer, upstream)
+def test_a_batch_that_times_out_or_is_cancelled_is_aborted_in_the_engine(engine, preset_chat_tokenizer) -> None:
+    upstream = EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size, timeout=0.05)
+    service = SessionService(TreeVersion(), preset_chat_tokenizer, upstream)
     long_turn = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 2000, "ignore_eos": True, "seed": 3}
 
     async def run():

@@ -31,31 +31,6 @@ VERSIONS = {"v1": LinearVersion(), "v2": TreeVersion()}
 STOP = [" ", "e", "a", "o", "\n"]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir():
-    from miles_core.engine.presets import preset_dir
-
-    return preset_dir("tiny")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    import torch
-
-    from miles_core.engine.engine import Engine, EngineConfig
-
-    torch.set_num_threads(1)
-    with Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=16)) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_dir):
-    from miles_core.session.tokenizer import ChatTokenizer
-
-    return ChatTokenizer.from_dir(tiny_dir)
-
-
 def _groups(groups: int = 3, size: int = 4) -> list[tuple[dict, list[int]]]:
     """One body per group (no seed of its own) and the seeds of its turns."""
     out = []
@@ -77,7 +52,7 @@ def _records(service: SessionService, sid: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-def test_one_body_with_seeds_records_what_bodies_holding_the_seeds_record(engine, chat_tokenizer, version) -> None:
+def test_one_body_with_seeds_records_what_bodies_holding_the_seeds_record(engine, preset_chat_tokenizer, version) -> None:
     """Two turns deep: first turns sent as three group bodies with twelve seeds (chat_turns and
     chat_many), and as twelve bodies each holding its seed; then follow-ups, each its own body,
     seeded the same two ways. The same completions, records (what the engine was asked and
@@ -85,7 +60,7 @@ def test_one_body_with_seeds_records_what_bodies_holding_the_seeds_record(engine
     groups = _groups()
 
     def service() -> SessionService:
-        return SessionService(VERSIONS[version], chat_tokenizer, EngineUpstream(engine, vocab_size=chat_tokenizer.vocab_size))
+        return SessionService(VERSIONS[version], preset_chat_tokenizer, EngineUpstream(engine, vocab_size=preset_chat_tokenizer.vocab_size))
 
     async def run(how: str):
         s = service()
@@ -188,7 +163,7 @@ def test_a_known_conversation_with_a_bare_body_is_refused_and_accepted_as_an_unk
             assert known.forward == unknown.forward  # type: ignore[attr-defined]
 
 
-def test_seeds_reach_an_engine_over_http_as_the_bodies_holding_them(engine, chat_tokenizer) -> None:
+def test_seeds_reach_an_engine_over_http_as_the_bodies_holding_them(engine, preset_chat_tokenizer) -> None:
     """A service whose upstream is an engine over HTTP sends each seeded turn's body with its
     seed in place: the requests recorded (the exact bytes sent) are those of the bodies holding
     the seeds, and the same tokens come back."""
@@ -201,8 +176,8 @@ def test_seeds_reach_an_engine_over_http_as_the_bodies_holding_them(engine, chat
     seeds = [3, 4, 5, 6]
 
     async def run(seeded: bool):
-        upstream = HTTPUpstream(EngineClient("http://engine", app=create_app(engine)), vocab_size=chat_tokenizer.vocab_size)
-        service = SessionService(LinearVersion(), chat_tokenizer, upstream)
+        upstream = HTTPUpstream(EngineClient("http://engine", app=create_app(engine)), vocab_size=preset_chat_tokenizer.vocab_size)
+        service = SessionService(LinearVersion(), preset_chat_tokenizer, upstream)
         sids = service.create_many(len(seeds))
         if seeded:
             results = await service.chat_many([(sid, body) for sid in sids], seeds=seeds)
