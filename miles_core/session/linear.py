@@ -27,7 +27,6 @@ from miles_core.session.trajectory import (
     build_turn,
     deepest_match,
     plan_turn,
-    root_sample,
 )
 
 
@@ -88,6 +87,4 @@ class LinearStore:
 
     def samples(self, options: SampleOptions) -> SampleBatch:
         head = self._head
-        if head is not None and head.parent is None and options.max_seq_len is None:  # one turn, kept whole
-            return SampleBatch([root_sample(head, options.metadata)], None)
         return assemble_samples((head,) if head else (), options)

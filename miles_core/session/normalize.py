@@ -290,7 +290,7 @@ def normalize_chat_objects(
     for index, (request, seed) in enumerate(zip(requests, sent)):
         if index and request is requests[index - 1]:  # the request of the body before, shared
             assert isinstance(request, ChatRequest)
-            forward = request.forward.copy() if seed is OWN else forward_with(request, seed)
+            forward = request.forward.copy() if seed is OWN else forward_with(request.forward, seed)
             request = (request.variant_of or request).variant(forward)
         out.append(request)
     return out
@@ -343,9 +343,10 @@ def normalize_chat_batch(
     return out, sent
 
 
-def forward_with(request: ChatRequest, seed: Any) -> dict[str, Any]:
-    """What ``request`` forwards when sent with ``seed`` (:data:`OWN`: its forward as it is)."""
-    return request.forward if seed is OWN else {**request.forward, "seed": seed}
+def forward_with(forward: dict[str, Any], seed: Any) -> dict[str, Any]:
+    """What a request forwarding ``forward`` forwards when sent with ``seed`` (:data:`OWN`: ``forward``
+    as it is)."""
+    return forward if seed is OWN else {**forward, "seed": seed}
 
 
 def _varies_only_in_seed(raw: Any, previous: dict[str, Any]) -> bool:
@@ -376,7 +377,7 @@ def normalize_samples_request(body: bytes) -> SampleOptions:
 def upstream_body(request: ChatRequest, prompt_ids: Sequence[int], seed: Any = OWN) -> dict[str, Any]:
     """The body sent upstream: the client's fields (``seed``: sent with that seed,
     :func:`forward_with`), the server-owned prompt ids, forced flags."""
-    return {**forward_with(request, seed), "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
+    return {**forward_with(request.forward, seed), "input_ids": list(prompt_ids), **FORCED_UPSTREAM_FLAGS}
 
 
 def _validate(model: type[ModelT], raw: dict[str, Any]) -> ModelT:

@@ -250,10 +250,10 @@ class SessionService:
 
     async def _chat_batch(self, turns: Sequence[tuple[str, dict[str, Any]]], *, replies: bool,
                           seeds: Sequence[int | None] | None) -> list[ChatOutcome | ChatTurn | SessionError]:
-        """:meth:`chat_many` (``replies``) or :meth:`chat_turns`. The pipeline of :meth:`_turn`
-        (:meth:`_start`, the upstream, :meth:`_commit`) written out for a batch: a step's turns
-        are hundreds of sessions' first turns, and its calls and objects per turn were a good part
-        of what an episode costs in this process."""
+        """:meth:`chat_many` (``replies``) or :meth:`chat_turns`: :meth:`_turn`'s steps
+        (:meth:`_start`, the upstream, :meth:`_commit`) for a batch, with one upstream call for all
+        and no object per turn beyond what the turn keeps (a step's turns are hundreds of
+        sessions' first turns)."""
         results: list[ChatOutcome | ChatTurn | SessionError | None] = [None] * len(turns)
         known = self._sessions.get
         sessions = [known(session_id) for session_id, _ in turns]
@@ -265,7 +265,6 @@ class SessionService:
             seeds,
         )
         tokenizer = _SharedRenders(self.tokenizer)
-        max_in_flight = self.version.max_in_flight
         pending: list[tuple[int, Session, Plan, ChatRequest]] = []
         calls: list[UpstreamCall] = []
         try:
@@ -277,16 +276,8 @@ class SessionService:
                     results[index] = request
                     continue
                 try:
-                    session.begin_generation(max_in_flight)
+                    plan = self._start(session, request, tokenizer)
                 except SessionError as exc:
-                    results[index] = exc
-                    continue
-                try:
-                    plan = session.store.plan(request, tokenizer)
-                except BaseException as exc:
-                    session.end_generation()
-                    if not isinstance(exc, SessionError):
-                        raise
                     results[index] = exc
                     continue
                 pending.append((index, session, plan, request))
@@ -305,16 +296,12 @@ class SessionService:
                     session.end_generation()
                     results[index] = generation
                     continue
-                completion = generation.completion
-                try:  # _commit's steps
-                    turn = session.store.commit(plan, completion, generation.record)
-                    session.committed_tokens += len(turn.token_ids)
-                    session.committed(request.messages, request.keys, completion.message, request.repeated)
+                try:
+                    self._commit(session, plan, request.messages, request.keys, request.repeated, generation)
                 except SessionError as exc:
                     results[index] = exc
                     continue
-                finally:
-                    session.end_generation()
+                completion = generation.completion
                 results[index] = (
                     ChatOutcome(completion, request.stream, request.include_usage, generation.reply) if replies
                     else ChatTurn(completion.message, completion.finish_reason)
@@ -325,37 +312,40 @@ class SessionService:
         return results  # type: ignore[return-value]  # every index was filled above
 
     async def _turn(self, session: Session, request: ChatRequest) -> ChatOutcome:
-        started = self._start(session, request, self.tokenizer)
+        plan = self._start(session, request, self.tokenizer)
+        # what the commit and the reply need of the request: the upstream drops the parsed body
+        # once it has what it needs
+        messages, keys, repeated = request.messages, request.keys, request.repeated
+        stream, include_usage = request.stream, request.include_usage
         try:
-            call = self.upstream.generate(request, started.plan.prompt_ids, routing_key=session.id)
-            del request  # the upstream drops the parsed body once it has what it needs
+            call = self.upstream.generate(request, plan.prompt_ids, routing_key=session.id)
+            del request
             generation = await call
         except BaseException:
             session.end_generation()
             raise
-        return self._commit(started, generation)
+        self._commit(session, plan, messages, keys, repeated, generation)
+        return ChatOutcome(generation.completion, stream, include_usage, generation.reply)
 
-    def _start(self, session: Session, request: ChatRequest, tokenizer: PromptTokenizer) -> _Pending:
+    def _start(self, session: Session, request: ChatRequest, tokenizer: PromptTokenizer) -> Plan:
         """Take a generation slot and plan the turn (the slot is given back if planning fails)."""
         session.begin_generation(self.version.max_in_flight)
         try:
-            plan = session.store.plan(request, tokenizer)
+            return session.store.plan(request, tokenizer)
         except BaseException:
             session.end_generation()
             raise
-        return _Pending(session, plan, request.messages, request.keys, request.repeated, request.stream,
-                        request.include_usage)
 
-    def _commit(self, started: _Pending, generation: Generation) -> ChatOutcome:
+    @staticmethod
+    def _commit(session: Session, plan: Plan, messages: tuple[Message, ...], keys: tuple[MessageKey, ...],
+                repeated: int, generation: Generation) -> None:
         """Record the generated turn and give the generation slot back."""
-        session = started.session
         try:
-            turn = session.store.commit(started.plan, generation.completion, generation.record)
+            turn = session.store.commit(plan, generation.completion, generation.record)
             session.committed_tokens += len(turn.token_ids)
-            session.committed(started.messages, started.keys, generation.completion.message, started.repeated)
+            session.committed(messages, keys, generation.completion.message, repeated)
         finally:
             session.end_generation()
-        return ChatOutcome(generation.completion, started.stream, started.include_usage, generation.reply)
 
     def sample_job(self, session_id: str, body: bytes) -> tuple[Session, SampleOptions]:
         """Validate a samples request; assembling (``assemble``) may then run off the event loop."""
@@ -378,22 +368,6 @@ class SessionService:
     def assemble(self, session: Session, options: SampleOptions) -> dict[str, Any]:
         batch = session.store.samples(options).to_dict()
         return {"session_id": session.id, "version": self.version.name, **batch}
-
-
-class _Pending:
-    """A planned turn waiting for its generation: what its commit needs of the request."""
-
-    __slots__ = ("include_usage", "keys", "messages", "plan", "repeated", "session", "stream")
-
-    def __init__(self, session: Session, plan: Plan, messages: tuple[Message, ...], keys: tuple[MessageKey, ...],
-                 repeated: int, stream: bool, include_usage: bool) -> None:
-        self.session = session
-        self.plan = plan
-        self.messages = messages
-        self.keys = keys
-        self.repeated = repeated
-        self.stream = stream
-        self.include_usage = include_usage
 
 
 class _SharedRenders:

@@ -216,38 +216,34 @@ class EngineUpstream:
         seed (:attr:`ChatRequest.variant_of`) reuses its validation and sampling parameters, the
         token ids and log-probs of all completions are checked in one pass, and each distinct
         completion of a request is parsed into its assistant message once."""
-        from miles_core.engine.base import GenerationRequest, InvalidRequestError, SamplingParams
+        from miles_core.engine.base import GenerationRequest, InvalidRequestError
 
         results: list[Generation | SessionError | None] = [None] * len(calls)
         prepared: list[tuple[int, ChatRequest, Any, tuple[int, ...], Any]] = []
         requests: list[engine_base.GenerationRequest] = []
         # the request last validated (the one its variants name), its prompt's length (what
-        # sampling reads), the validated request and its sampling parameters' fields
+        # sampling reads), the validated request and its sampling parameters
         last: ChatRequest | None = None
         last_length = -1
         req: Any = None  # set with last
-        template: dict[str, Any] = {}
+        last_sampling: Any = None  # set with last
         for index, (request, prompt_ids, _, sent) in enumerate(calls):
             prompt = prompt_ids if type(prompt_ids) is tuple else tuple(prompt_ids)
             seed = request.forward.get("seed") if sent is OWN else sent
             if ((request is last or request.variant_of is last) and last is not None and len(prompt) == last_length
                     and (seed is None or (type(seed) is int and 0 <= seed < 2**63))):
-                # SamplingParams.with_seed without its check of the seed, just made
-                sampling = object.__new__(SamplingParams)
-                fields = sampling.__dict__
-                fields.update(template)
-                fields["seed"] = seed
+                sampling = last_sampling.with_seed(seed)
             else:
                 try:
-                    req, sampling = self._engine_request(forward_with(request, sent), len(prompt))
+                    req, sampling = self._engine_request(forward_with(request.forward, sent), len(prompt))
                 except InvalidRequestError as exc:
                     results[index] = InvalidRequest(f"the engine rejected the request: {exc}")
                     last = None
                     continue
-                last, last_length, template = request.variant_of or request, len(prompt), sampling.__dict__
+                last, last_length, last_sampling = request.variant_of or request, len(prompt), sampling
             prepared.append((index, request, sent, prompt, req))
             requests.append(GenerationRequest(prompt, sampling, req.rid))
-        del last, template
+        del last, last_sampling
         started = time.time()
         outcomes = await self._generate_batch(requests) if requests else []
         finished = time.time()
@@ -261,7 +257,8 @@ class EngineUpstream:
                 results[index] = done if isinstance(done, SessionError) else _engine_failure(done)
                 continue
             token_ids = done.token_ids
-            entry = parsed.get((id(req), token_ids, done.finish_reason, done.matched_stop))
+            key = (id(req), token_ids, done.finish_reason, done.matched_stop)
+            entry = parsed.get(key)
             if entry is None:
                 try:
                     if not checked:
@@ -271,7 +268,7 @@ class EngineUpstream:
                 except SessionError as exc:
                     results[index] = exc
                     continue
-                parsed[(id(req), token_ids, done.finish_reason, done.matched_stop)] = (assistant, message, req)
+                parsed[key] = (assistant, message, req)
             else:  # each turn its own message, as if parsed for it (_Exchange copies the other)
                 if not checked:  # the same tokens: only the log-probs may fail
                     try:
@@ -471,8 +468,7 @@ class _Exchange(DeferredRecord):
             from miles_core.engine import protocol
 
             forward, seed, prompt, req, done, (message, finish_reason), decoder, model = self._parts
-            if seed is not OWN:  # sent with this seed (forward_with)
-                forward = {**forward, "seed": seed}
+            forward = forward_with(forward, seed)
             # the message may be shared with other turns of a batch (EngineUpstream.generate_many)
             response = protocol.chat_response(req, done, decoder, model=model, assistant=(dict(message), finish_reason),
                                               created=int(self.started_at))
