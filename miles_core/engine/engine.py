@@ -659,10 +659,9 @@ class Engine:
                         self._prefill(plan)
                     launched = self._launch_step() if self._decoding else None
                     self._drain()  # step t's tokens, read while step t + 1 runs
-                    if launched is not None:
-                        self._in_flight = launched
-                        if not self._overlap:
-                            self._drain()
+                    self._in_flight = launched
+                    if not self._overlap:
+                        self._drain()
                 except Exception as exc:  # fail the affected requests loudly, keep serving others
                     self._in_flight = None
                     with self._cond:

@@ -212,18 +212,13 @@ class AgenticRollout:
     def _trajectories(self, prompts: Sequence[Prompt], samples: Sequence[Sequence[Sample]], replies: Sequence[ChatTurn],
                       turns: Sequence[int]) -> list[Trajectory]:
         """Each episode's trajectory, from its one sample and its last reply."""
-        first_tokens, decode = self._first_tokens, self.tokenizer.decode  # a token's text: one decode per run
         out = []
         for prompt, episode, reply, turn_count in zip(prompts, samples, replies, turns, strict=True):
             if len(episode) != 1:
                 raise EpisodeError(f"expected one sample per linear episode, got {len(episode)}")
             sample = episode[0]
             tokens, n, versions = tuple(sample.tokens), sample.response_length, sample.weight_versions
-            first = ""
-            if n:
-                token = tokens[len(tokens) - n]
-                cached = first_tokens.get(token)
-                first = cached if cached is not None else first_tokens.setdefault(token, decode([token]))
+            first = self._first_token(tokens[len(tokens) - n]) if n else ""
             out.append(Trajectory(  # positional: one per episode
                 prompt,
                 tokens,
@@ -238,6 +233,13 @@ class AgenticRollout:
                 else ",".join(sorted({str(v) for v in versions})),
             ))
         return out
+
+    def _first_token(self, token_id: int) -> str:
+        """A token's text, decoded once per run."""
+        text = self._first_tokens.get(token_id)
+        if text is None:
+            text = self._first_tokens[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     async def _call_tools(self, calls: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One episode's tool calls, in order."""
