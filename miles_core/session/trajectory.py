@@ -210,8 +210,7 @@ def plan_turn(
 
 def build_turn(seq: int, plan: Plan, completion: Completion, record: Record) -> Turn:
     """The turn ``plan`` + ``completion`` make, after checking the token invariants."""
-    if len(completion.token_ids) != len(completion.logprobs):
-        check_aligned(completion.token_ids, completion.logprobs)  # raises, naming both lengths
+    check_aligned(completion.token_ids, completion.logprobs)
     prompt = tuple(plan.prompt_ids)
     if plan.parent is None:
         observation = prompt
