@@ -86,7 +86,10 @@ def test_a_run_writes_every_tracker_and_never_records_a_secret(
     tensorboard = read_event_files(out / "tensorboard")
     wandb_runs = sorted((out / "wandb").glob("offline-run-*"))
     state = json.loads((out / "trackers.json").read_text())
-    assert len({p.name.rsplit("-", 1)[-1] for p in wandb_runs}) == 1  # resumed the same W&B run
+    # resumed the same W&B run: every process's directory logs to run-<the recorded id>.wandb (the
+    # directory's name is no guide: W&B appends -1 to a second one started within the same second)
+    assert len(wandb_runs) == 2
+    assert {log.name for d in wandb_runs for log in d.glob("run-*.wandb")} == {f"run-{state['wandb']['id']}.wandb"}
     history = {}
     for directory in wandb_runs:
         for step, values in read_run_directory(directory).items():
