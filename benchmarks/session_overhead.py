@@ -137,15 +137,21 @@ def _run_stub(queue) -> None:
     uvloop.run(serve())
 
 
-def _run_session_server(queue, upstream: str, version: str) -> None:
+def _run_session_server(queue, upstream: str, version: str, workers: int) -> None:
+    """``miles session serve --workers N`` as a function: the pids reported are the workers'."""
     from miles_core.session.config import SessionServerConfig
     from miles_core.session.embed import base_url, bind_socket, serve_forever
     from miles_core.session.server import build_app
+    from miles_core.session.workers import serve_workers
 
-    app = build_app(SessionServerConfig(upstream_url=upstream, tokenizer_dir=_tokenizer_dir(), version=version))
+    config = SessionServerConfig(upstream_url=upstream, tokenizer_dir=_tokenizer_dir(), version=version)
     sock = bind_socket("127.0.0.1", 0)
-    queue.put((base_url(sock), os.getpid()))
-    serve_forever(app, sock)
+    if workers == 1:
+        app = build_app(config)
+        queue.put((base_url(sock), [os.getpid()]))
+        serve_forever(app, sock)
+    else:
+        sys.exit(serve_workers(config, sock, workers, on_started=lambda pids: queue.put((base_url(sock), pids))))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -288,9 +294,14 @@ def main() -> None:
     parser.add_argument("--stub-delay-ms", type=float, default=500.0, help="mean simulated generation time per turn")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved direct/session run pairs")
     parser.add_argument("--version", default="v1", help="session version under load")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="session server processes (miles session serve --workers; default: the machine's "
+                        "cores, at most 4)")
     parser.add_argument("--skip-assembly", action="store_true", help="leave out the 32k-token assembly timing")
     args = parser.parse_args()
-    for name in ("sessions", "turns", "rounds"):
+    if args.workers is None:
+        args.workers = min(os.cpu_count() or 1, 4)
+    for name in ("sessions", "turns", "rounds", "workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -301,10 +312,13 @@ def main() -> None:
     stub = ctx.Process(target=_run_stub, args=(stub_queue,), daemon=True)
     stub.start()
     stub_url, stub_pid = stub_queue.get(timeout=120)
-    server = ctx.Process(target=_run_session_server, args=(server_queue, stub_url, args.version), daemon=True)
+    server = ctx.Process(target=_run_session_server, args=(server_queue, stub_url, args.version, args.workers))
     server.start()
-    server_url, server_pid = server_queue.get(timeout=120)
-    pids = {"load_generator": os.getpid(), "session_server": server_pid, "stub": stub_pid}
+    server_url, server_pids = server_queue.get(timeout=120)
+    servers = {"session_server": server_pids[0]} if args.workers == 1 else {
+        f"session_worker{i}": pid for i, pid in enumerate(server_pids)
+    }
+    pids = {"load_generator": os.getpid(), "stub": stub_pid, **servers}
     print(f"processes: {json.dumps(pids)}", file=sys.stderr, flush=True)  # e.g. for a profiler
     rounds: list[tuple[dict, dict]] = []
     lost = 0
@@ -353,7 +367,8 @@ def main() -> None:
         "turns_per_s": round(statistics.median(s["turns_per_s"] for _, s in rounds), 1),
         "direct_turns_per_s": round(statistics.median(d["turns_per_s"] for d, _ in rounds), 1),
         "offered_turns_per_s": round(args.sessions / (args.stub_delay_ms / 1000), 1),
-        "server_cpu_ms_per_turn": per_turn("session")["session_server"],
+        "workers": args.workers,
+        "server_cpu_ms_per_turn": round(sum(per_turn("session")[name] for name in servers), 3),
         "cpu_ms_per_turn": {"direct": per_turn("direct"), "session": per_turn("session")},
         "machine_idle": {
             "direct": round(statistics.median(d["machine_idle"] for d, _ in rounds), 3),

@@ -38,6 +38,9 @@ def session() -> None:
               help="Open sessions the server holds before POST /sessions answers 409.")
 @click.option("--max-turns", default=1024, show_default=True, type=int,
               help="Generated turns one session keeps before its chat requests answer 409.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Processes serving the sessions, each owning a share of them (one core each; "
+              "see docs/session.md). Limits such as --max-sessions are then split between them.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn log level.")
 def serve(
@@ -53,6 +56,7 @@ def serve(
     connect_retries: int,
     max_sessions: int,
     max_turns: int,
+    workers: int,
     log_level: str,
 ) -> None:
     """Serve the session HTTP API in front of an engine until interrupted.
@@ -79,9 +83,16 @@ def serve(
     )
     app = build_app(config)
     sock = bind_socket(host, port)
-    click.echo(f"miles session server (version {version}) listening on {base_url(sock)}, upstream {upstream_url}")
+    served_by = "" if workers == 1 else f", {workers} workers"
+    click.echo(f"miles session server (version {version}) listening on {base_url(sock)}, upstream {upstream_url}{served_by}")
     sys.stdout.flush()
-    serve_forever(app, sock, log_level=log_level, access_log=True)
+    if workers == 1:
+        serve_forever(app, sock, log_level=log_level, access_log=True)
+        return
+    from miles_core.session.workers import serve_workers
+
+    del app  # each worker builds its own; this one only checked that it can be built
+    sys.exit(serve_workers(config, sock, workers, log_level=log_level, access_log=True))
 
 
 @session.command()

@@ -22,12 +22,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugins import MilesPluginManager
 from miles_core.session.base import PromptTokenizer
 from miles_core.session.config import SessionServerConfig
+
+if TYPE_CHECKING:
+    from miles_core.session.workers import Router
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -59,25 +62,28 @@ KEEP_ALIVE_S = 75
 
 
 def uvicorn_server(
-    app: Any, *, log_level: str = "warning", access_log: bool = False, keep_alive_s: float = KEEP_ALIVE_S
+    app: Any, *, log_level: str = "warning", access_log: bool = False, keep_alive_s: float = KEEP_ALIVE_S,
+    router: Router | None = None,
 ) -> Any:
-    """A ``uvicorn.Server`` for ``app`` with the settings every session server uses."""
+    """A ``uvicorn.Server`` for ``app`` with the settings every session server uses; ``router``:
+    this process is one worker of several (:mod:`miles_core.session.workers`)."""
     import uvicorn
 
     config = uvicorn.Config(
         # uvicorn annotates timeout_keep_alive as int; it is a call_later delay, and fractions work
         app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
-        http=coalescing_http_protocol(),
+        http=coalescing_http_protocol() if router is None else routing_http_protocol(router),
         # no X-Forwarded-* rewriting of the client address and scheme: nothing here reads them,
         # and the middleware that does it costs every request a pass over its headers (~3 % of
         # the server's CPU at 1,024 agents)
         proxy_headers=False,
     )
-    return _server_class()(config)
+    return _server_class(router)(config)
 
 
-def _server_class() -> type:
-    """``uvicorn.Server`` accepting every waiting connection at once (:class:`_Acceptor`)."""
+def _server_class(router: Router | None = None) -> type:
+    """``uvicorn.Server`` accepting every waiting connection at once (:class:`_Acceptor`), and
+    with a ``router``, the connections other workers hand over."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -94,7 +100,10 @@ def _server_class() -> type:
                 )
 
             loop = asyncio.get_running_loop()
-            self.servers = [_Acceptor(loop, sock, protocol, config.backlog) for sock in sockets]  # type: ignore[misc]
+            acceptors = [_Acceptor(loop, sock, protocol, config.backlog) for sock in sockets]
+            self.servers = acceptors  # type: ignore[assignment]
+            if router is not None:
+                router.start(loop, acceptors[0].take_over)
 
     return Server
 
@@ -145,12 +154,25 @@ class _Acceptor:
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
-    async def _connect(self, conn: socket.socket) -> None:
+    async def _connect(self, conn: socket.socket, protocol: Any = None) -> None:
         try:
-            await self._loop.connect_accepted_socket(self._protocol, conn)
+            await self._loop.connect_accepted_socket(protocol or self._protocol, conn)
         except OSError as exc:  # the peer went away before its transport was set up
             logger.debug("accepted connection lost before it was served: %s", exc)
             conn.close()
+
+    def take_over(self, conn: socket.socket, data: bytes, serve_first: bool) -> None:
+        """Serve a connection another worker handed over, with the bytes it had read from it."""
+
+        def protocol() -> Any:
+            handed = self._protocol()
+            handed.take_over(data, serve_first)
+            return handed
+
+        conn.setblocking(False)
+        task = self._loop.create_task(self._connect(conn, protocol))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _resume(self) -> None:
         if not self._closed:
@@ -184,6 +206,69 @@ def coalescing_http_protocol() -> Any:
             super().connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
 
     return CoalescingHttpToolsProtocol
+
+
+def routing_http_protocol(router: Router) -> Any:
+    """:func:`coalescing_http_protocol` for one of several workers: a request that another
+    worker must serve is not parsed here; its connection is handed to that worker
+    (:meth:`~miles_core.session.workers.Router.target`, :meth:`~miles_core.session.workers.Router.hand_off`).
+
+    Only a request that starts on a connection with nothing in progress -- no request being
+    read, no reply owed -- is looked at, once its request line has arrived."""
+    from miles_core.session.workers import MAX_REQUEST_LINE
+
+    coalescing = coalescing_http_protocol()
+
+    class RoutingHttpToolsProtocol(coalescing):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._held = b""  # the start of a request whose request line is still incomplete
+            self._reading = False  # a request's bytes are being parsed
+            self._initial = b""  # bytes the worker that handed this connection over had read
+            self._serve_first = False  # the first request was routed here: serve it
+
+        def take_over(self, data: bytes, serve_first: bool) -> None:
+            self._initial, self._serve_first = data, serve_first
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if self._initial:
+                data, self._initial = self._initial, b""
+                self.data_received(data)
+
+        def on_message_begin(self) -> None:
+            self._reading = True
+            super().on_message_begin()
+
+        def on_message_complete(self) -> None:
+            self._reading = False
+            super().on_message_complete()
+
+        def data_received(self, data: bytes) -> None:
+            if self._reading or self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
+                super().data_received(data)
+                return
+            if self._held:
+                data, self._held = self._held + data, b""
+            end = data.find(b"\r\n")
+            if end < 0 and len(data) < MAX_REQUEST_LINE:
+                self._held = data
+                return
+            target = None
+            if self._serve_first:
+                self._serve_first = False
+            elif end >= 0:
+                target = router.target(data[:end])
+            if target is None or target == router.shard.index:
+                super().data_received(data)
+                return
+            # the connection moves: a duplicate of its descriptor goes to the target, this
+            # process lets go of its own (the TCP connection stays open while one is held)
+            fd = os.dup(self.transport.get_extra_info("socket").fileno())
+            router.hand_off(target, fd, data, serve_first=True)
+            self.transport.abort()
+
+    return RoutingHttpToolsProtocol
 
 
 class _CoalescingTransport:
@@ -221,7 +306,9 @@ class _CoalescingTransport:
 GC_YOUNG_THRESHOLD = 10_000
 
 
-def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False) -> None:
+def serve_forever(
+    app: Any, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False, router: Router | None = None
+) -> None:
     """Serve ``app`` on ``sock`` in this process until it is stopped (``miles session serve``).
 
     Only for a process that exists to serve: unless the environment says otherwise, the
@@ -247,7 +334,7 @@ def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "warning", 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    uvicorn_server(app, log_level=log_level, access_log=access_log).run(sockets=[sock])
+    uvicorn_server(app, log_level=log_level, access_log=access_log, router=router).run(sockets=[sock])
 
 
 @contextmanager

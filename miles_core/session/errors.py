@@ -56,6 +56,14 @@ class MethodNotAllowed(SessionError):
     type = "method_not_allowed_error"
 
 
+class Misdirected(SessionError):
+    """The session lives in another worker of this server, and this request could not be moved
+    there (``miles session serve --workers``): send it again on another connection."""
+
+    status = 421
+    type = "misdirected_request_error"
+
+
 class Conflict(SessionError):
     """The request is valid but conflicts with the session's state (busy, closing, truncated)."""
 

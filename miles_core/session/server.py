@@ -25,16 +25,26 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.engine.client import ASGIApp, EngineClient
 from miles_core.plugins import MilesPluginManager
 from miles_core.session.base import PromptTokenizer, SessionVersion
 from miles_core.session.config import SessionServerConfig
-from miles_core.session.errors import MethodNotAllowed, PayloadTooLarge, RouteNotFound, SessionError, bounded
+from miles_core.session.errors import (
+    MethodNotAllowed,
+    Misdirected,
+    PayloadTooLarge,
+    RouteNotFound,
+    SessionError,
+    bounded,
+)
 from miles_core.session.service import SessionService, activate_version
 from miles_core.session.upstream import HTTPUpstream, Upstream
 from miles_core.strict_json import dumps
+
+if TYPE_CHECKING:
+    from miles_core.session.workers import Shard
 
 logger = logging.getLogger("uvicorn.error")  # the server's log, configured by uvicorn (--log-level)
 
@@ -108,6 +118,7 @@ class SessionApp:
         self.upstream_app = upstream_app
         self.make_upstream = upstream
         self.service: SessionService | None = None  # set at startup
+        self.shard: Shard | None = None  # one worker of several: which (miles_core.session.workers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -137,7 +148,12 @@ class SessionApp:
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
             return
-        self.service = SessionService(self.version, self.tokenizer, upstream, limits=config.limits)
+        shard = self.shard
+        self.service = (
+            SessionService(self.version, self.tokenizer, upstream, limits=config.limits) if shard is None
+            else SessionService(self.version, self.tokenizer, upstream, limits=shard.limits(config.limits),
+                                session_ids=shard.new_ids)
+        )
         await send({"type": "lifespan.startup.complete"})
         try:
             await receive()  # lifespan.shutdown
@@ -148,6 +164,11 @@ class SessionApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             handler, session_id = route(scope["method"], scope["path"])
+            if session_id and self.shard is not None and not self.shard.owns(session_id):
+                raise Misdirected(
+                    f"session {session_id[:64]!r} lives in another worker of this server and this request "
+                    "could not be moved there (pipelined, or a request line over 64 KiB); send it on a new connection"
+                )
             reply = await handler(self, session_id, scope, receive)
         except SessionError as exc:
             reply = error_reply(exc.status, exc.type, exc.message)

@@ -146,11 +146,14 @@ class SessionService:
         upstream: Upstream,
         *,
         limits: ServiceLimits | None = None,
+        session_ids: Callable[[int], list[str]] = new_session_ids,
     ) -> None:
+        """``session_ids(n)``: ``n`` fresh ids (one worker of several creates only its own)."""
         self.version = version
         self.tokenizer = tokenizer
         self.upstream = upstream
         self.limits = limits or ServiceLimits()
+        self._new_ids = session_ids
         self.instance_id = new_session_ids(1)[0]
         self._sessions: dict[str, Session] = {}
 
@@ -176,7 +179,7 @@ class SessionService:
                 + "; delete finished ones"
             )
         create_store, max_turns, sessions = self.version.create_store, self.limits.max_turns, self._sessions
-        ids = new_session_ids(n)
+        ids = self._new_ids(n)
         for session_id in ids:
             sessions[session_id] = Session(session_id, create_store(max_turns=max_turns))
         return ids

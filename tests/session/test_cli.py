@@ -19,7 +19,7 @@ register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 SERVE_OPTIONS = (
     "--upstream", "--upstream-url", "--tokenizer", "--tokenizer-dir", "--version", "--chat-template", "--template-family", "--host", "--port",
-    "--upstream-timeout", "--connect-timeout", "--connect-retries", "--max-sessions", "--max-turns", "--log-level",
+    "--upstream-timeout", "--connect-timeout", "--connect-retries", "--max-sessions", "--max-turns", "--workers", "--log-level",
 )
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from miles_core.ci.register import register_cpu_ci
 
 register_cpu_ci(est_time=12, suite="stage-a-cpu")
@@ -16,10 +18,13 @@ register_cpu_ci(est_time=12, suite="stage-a-cpu")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "session_overhead.py"
 
 
-def test_the_benchmark_reports_throughput_and_the_load_it_ran_under() -> None:
+@pytest.mark.parametrize(("workers", "servers"), [
+    (["--workers", "1"], {"session_server"}), (["--workers", "2"], {"session_worker0", "session_worker1"}),
+])
+def test_the_benchmark_reports_throughput_and_the_load_it_ran_under(workers: list[str], servers: set[str]) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--sessions", "4", "--turns", "2", "--stub-delay-ms", "20",
-         "--rounds", "2", "--skip-assembly"],
+         "--rounds", "2", "--skip-assembly", *workers],
         capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -28,9 +33,13 @@ def test_the_benchmark_reports_throughput_and_the_load_it_ran_under() -> None:
     assert len(result["throughput_ratios"]) == 2 and 0 < result["throughput_ratio"] <= 2
     assert result["turns_per_s"] > 0 and result["direct_turns_per_s"] > 0
     for run in ("direct", "session"):
-        assert set(result["cpu_ms_per_turn"][run]) == {"load_generator", "session_server", "stub"}
+        assert set(result["cpu_ms_per_turn"][run]) == {"load_generator", "stub", *servers}
         assert 0 <= result["machine_idle"][run] <= 1
-    assert result["cpu_ms_per_turn"]["session"]["session_server"] > 0  # the server did the work
+    assert all(result["cpu_ms_per_turn"]["session"][name] > 0 for name in servers)  # every worker served
+    assert result["workers"] == len(servers)
+    assert result["server_cpu_ms_per_turn"] == pytest.approx(
+        sum(result["cpu_ms_per_turn"]["session"][name] for name in servers), abs=0.002
+    )
     assert len(result["load_avg_1m"]) == 2 and result["cpu_count"] >= 1
     assert "assembly_32k_ms" not in result
 
