@@ -1,7 +1,8 @@
 """Per-turn overhead and throughput of the session server, and samples assembly time.
 
-Three processes on loopback: a stub engine replaying fixed reply bytes after a simulated
-generation time, a session server in front of it, and this load generator. N agents
+On loopback: a stub engine replaying fixed reply bytes after a simulated generation time, a
+session server in front of it (``--workers`` processes, as ``miles session serve --workers``;
+default: the machine's cores, at most 4), and this load generator. N agents
 (``--sessions``) each run a ``--turns``-turn conversation (starts staggered over one mean delay),
 straight against the stub (the baseline: what agents get without a session server) and through
 sessions, in ``--rounds`` interleaved rounds (direct then sessions, then the other way round, so a
@@ -26,7 +27,7 @@ assembled in-process for v1 and v2 (median of 20), and encoded as the /samples r
 
 Prints one JSON line; exits 1 if a turn was lost. Usage::
 
-    python benchmarks/session_overhead.py [--sessions 64] [--turns 20] [--stub-delay-ms 500] [--rounds 2]
+    python benchmarks/session_overhead.py [--sessions 64] [--turns 20] [--stub-delay-ms 500] [--rounds 2] [--workers N]
 """
 
 from __future__ import annotations

@@ -169,8 +169,9 @@ class Router:
                 total, serve_first = _HEADER.unpack_from(payload)
                 conn = socket.socket(fileno=fds[0])
                 self._partial[key] = (total, bytearray(payload[_HEADER.size :]), bool(serve_first), conn)
-            elif not payload:
-                return  # the other worker is gone; the parent stops the server
+            elif not payload:  # the other worker is gone (the parent stops the server): stop listening
+                asyncio.get_running_loop().remove_reader(channel.fileno())
+                return
             else:
                 self._partial[key][1].extend(payload)
             total, data, serve_first, conn = self._partial[key]
