@@ -27,7 +27,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -113,8 +113,12 @@ class HTTPUpstream:
         self.client = client
         self.vocab_size = vocab_size
 
-    async def generate(self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str) -> Generation:
-        return await self._generate(request, prompt_ids, routing_key, OWN)
+    def generate(
+        self, request: ChatRequest, prompt_ids: Sequence[int], *, routing_key: str
+    ) -> Coroutine[Any, Any, Generation]:
+        # the call itself, not a coroutine awaiting it: no frame of this method holds the request
+        # while the engine generates (_generate lets it go once the body is encoded)
+        return self._generate(request, prompt_ids, routing_key, OWN)
 
     async def _generate(self, request: ChatRequest, prompt_ids: Sequence[int], routing_key: str, seed: Any) -> Generation:
         try:

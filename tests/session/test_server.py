@@ -171,6 +171,27 @@ def test_delete_waits_for_the_generation_in_flight(serve) -> None:
     _error(harness.state(sid), 404, "not_found_error")
 
 
+def test_the_parsed_request_is_let_go_while_the_engine_generates(serve) -> None:
+    """An agent's whole conversation, parsed, is ~100 objects; kept for the seconds a generation
+    takes, it is what every young garbage collection rescans (docs/session.md)."""
+    import gc
+
+    from miles_core.session.normalize import ChatRequest
+
+    harness = serve("v1", stub_delay=0.5)
+    sid = harness.create()
+    chat = threading.Thread(target=lambda: harness.chat(sid, {"messages": [Q1]}))
+    chat.start()
+    deadline = time.monotonic() + 5
+    while not harness.stub.chat_requests(sid):  # the engine has it: generating
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gc.collect()
+    held = [o for o in gc.get_objects() if isinstance(o, ChatRequest)]
+    chat.join()
+    assert held == []
+
+
 def test_max_sessions(serve) -> None:
     harness = serve("v1", max_sessions=2)
     ids = [harness.create(), harness.create()]
