@@ -169,23 +169,47 @@ def _exit_interrupted(signum: int, frame: object) -> None:
     os._exit(INTERRUPTED)
 
 
-def _clock_origin() -> float:
-    """The ``time.perf_counter()`` value the run's clock starts at: this process's start, so the
-    progress bar and the summary count start-up (Python, imports) too.
+#: the longest Python may take from its process's start (exec) to importing miles: interpreter
+#: start-up, site and .pth files (~0.05 s quiet; on a loaded machine more)
+PYTHON_STARTUP_SLACK_S = 2.0
+#: a process that imported miles this long before the run is not a fresh ``miles`` command
+LONG_LIVED_S = 30.0
 
-    Linux only (``/proc/self/stat``), else now. A process older than a fresh ``miles`` ever is
-    at this point (a test runner or notebook invoking the command) starts the clock now instead:
-    its age is not this run's.
+
+def clock_origin(now: float, imported_at: float, process_started: float | None) -> float:
+    """The ``time.perf_counter()`` value the run's clock starts at, so that the progress bar and
+    the summary count start-up (Python, imports) too: the process's start (``process_started``)
+    if Python started with it, else when miles was first imported (``imported_at``).
+
+    A process may have run something else before it exec'd Python: ``bash -c '... && miles train'``
+    runs the last command in the shell's own process, whose start then predates Python's by all
+    that ran before (the README's command, run a second time: 28 s of pip counted as the run's).
+    A process that imported miles long before (a test runner or notebook invoking the command)
+    starts the clock now: its age is not this run's.
     """
-    now = time.perf_counter()
+    if now - imported_at > LONG_LIVED_S:
+        return now
+    if process_started is not None and 0 <= imported_at - process_started < PYTHON_STARTUP_SLACK_S:
+        return process_started
+    return imported_at
+
+
+def _process_started(now: float) -> float | None:
+    """This process's start as a ``time.perf_counter()`` value (Linux: ``/proc/self/stat``)."""
     try:
         with open("/proc/self/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
         start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start
+        return now - (time.clock_gettime(time.CLOCK_BOOTTIME) - start)
     except (OSError, ValueError, IndexError, AttributeError):
-        return now
-    return now - age if 0 <= age < 30 else now
+        return None
+
+
+def _clock_origin() -> float:
+    from miles_core import IMPORTED_AT
+
+    now = time.perf_counter()
+    return clock_origin(now, IMPORTED_AT, _process_started(now))
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

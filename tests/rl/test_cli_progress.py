@@ -12,7 +12,7 @@ from rich.console import Console
 from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.metrics import Progress
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 RECORD = {"step": 2, "reward_mean": 0.125, "greedy_accuracy": 0.11, "logprob_mismatch_max": 1.2e-6,
           "tokens_per_s": 2400.0}
@@ -46,3 +46,26 @@ def test_a_stop_request_shows_on_the_bar():
     progress.update(RECORD)
     progress.close()
     assert "stopping after this step (Ctrl-C again aborts)" in out.getvalue().split("\r")[-1]
+
+
+def test_the_clock_starts_at_the_process_start_when_python_started_with_it() -> None:
+    from miles_core.rl.cli import clock_origin
+
+    assert clock_origin(now=100.0, imported_at=99.0, process_started=98.9) == 98.9
+    # a shell exec'd `miles train` after running pip for 28 s in the same process
+    assert clock_origin(now=100.0, imported_at=99.0, process_started=71.0) == 99.0
+    assert clock_origin(now=100.0, imported_at=99.0, process_started=None) == 99.0  # no /proc
+    # a test runner or notebook that imported miles long ago: the run starts now
+    assert clock_origin(now=100.0, imported_at=40.0, process_started=39.9) == 100.0
+
+
+def test_a_command_exec_d_by_a_shell_counts_only_its_own_start_up() -> None:
+    """``bash -c 'sleep 6 && miles ...'`` runs miles in the shell's process, 6 s old by then."""
+    import subprocess
+    import sys
+
+    probe = "import time; from miles_core.rl.cli import _clock_origin; print(time.perf_counter() - _clock_origin())"
+    done = subprocess.run(["bash", "-c", f'sleep 6 && exec "{sys.executable}" -c "{probe}"'],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 0 <= float(done.stdout) < 5, done.stdout  # Python's own start-up and imports, not the sleep
