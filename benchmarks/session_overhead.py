@@ -350,15 +350,16 @@ def main() -> None:
     }
     ratios = [s["turns_per_s"] / d["turns_per_s"] for d, s in rounds]
 
-    def per_process(run: str) -> dict[str, float]:
-        index = 0 if run == "direct" else 1
-        return {name: round(statistics.median(r[index]["cpu_ms_per_turn"][name] for r in rounds), 3) for name in pids}
-
-    def per_turn(run: str) -> dict[str, float]:
-        """Per role: the session server's is all its workers' together."""
-        processes = per_process(run)
-        server = round(sum(processes.pop(name) for name in servers), 3)
-        return {**processes, "session_server": server}
+    # CPU ms per turn, the median over rounds: per process, and per role (the session server's is
+    # all its workers' together)
+    per_process = {
+        run: {name: round(statistics.median(r[index]["cpu_ms_per_turn"][name] for r in rounds), 3) for name in pids}
+        for index, run in enumerate(("direct", "session"))
+    }
+    per_role = {
+        run: {**{k: v for k, v in cpu.items() if k not in servers}, "session_server": round(sum(cpu[k] for k in servers), 3)}
+        for run, cpu in per_process.items()
+    }
 
     result = {
         "benchmark": "session_overhead",
@@ -375,9 +376,9 @@ def main() -> None:
         "direct_turns_per_s": round(statistics.median(d["turns_per_s"] for d, _ in rounds), 1),
         "offered_turns_per_s": round(args.sessions / (args.stub_delay_ms / 1000), 1),
         "workers": args.workers,
-        "server_cpu_ms_per_turn": per_turn("session")["session_server"],
-        "cpu_ms_per_turn": {"direct": per_turn("direct"), "session": per_turn("session")},
-        "worker_cpu_ms_per_turn": {name: per_process("session")[name] for name in servers if args.workers > 1},
+        "server_cpu_ms_per_turn": per_role["session"]["session_server"],
+        "cpu_ms_per_turn": per_role,
+        "worker_cpu_ms_per_turn": {name: per_process["session"][name] for name in servers if args.workers > 1},
         "machine_idle": {
             "direct": round(statistics.median(d["machine_idle"] for d, _ in rounds), 3),
             "session": round(statistics.median(s["machine_idle"] for _, s in rounds), 3),

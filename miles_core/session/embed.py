@@ -150,13 +150,17 @@ class _Acceptor:
                 self._loop.remove_reader(self._sock.fileno())
                 self._loop.call_later(self.RETRY_S, self._resume)
                 return
-            task = self._loop.create_task(self._connect(conn))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._serve(conn, self._protocol)
 
-    async def _connect(self, conn: socket.socket, protocol: Any = None) -> None:
+    def _serve(self, conn: socket.socket, protocol: Any) -> None:
+        """Hand ``conn`` to the event loop's transport, served by ``protocol()``."""
+        task = self._loop.create_task(self._connect(conn, protocol))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _connect(self, conn: socket.socket, protocol: Any) -> None:
         try:
-            await self._loop.connect_accepted_socket(protocol or self._protocol, conn)
+            await self._loop.connect_accepted_socket(protocol, conn)
         except OSError as exc:  # the peer went away before its transport was set up
             logger.debug("accepted connection lost before it was served: %s", exc)
             conn.close()
@@ -170,9 +174,7 @@ class _Acceptor:
             return handed
 
         conn.setblocking(False)
-        task = self._loop.create_task(self._connect(conn, protocol))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._serve(conn, protocol)
 
     def _resume(self) -> None:
         if not self._closed:

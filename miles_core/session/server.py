@@ -39,7 +39,7 @@ from miles_core.session.errors import (
     SessionError,
     bounded,
 )
-from miles_core.session.service import SessionService, activate_version
+from miles_core.session.service import SessionService, activate_version, new_session_ids
 from miles_core.session.upstream import HTTPUpstream, Upstream
 from miles_core.strict_json import dumps
 
@@ -149,11 +149,10 @@ class SessionApp:
             await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
             return
         shard = self.shard
-        self.service = (
-            SessionService(self.version, self.tokenizer, upstream, limits=config.limits) if shard is None
-            else SessionService(self.version, self.tokenizer, upstream, limits=shard.limits(config.limits),
-                                session_ids=shard.new_ids)
+        limits, session_ids = (config.limits, new_session_ids) if shard is None else (
+            shard.limits(config.limits), shard.new_ids
         )
+        self.service = SessionService(self.version, self.tokenizer, upstream, limits=limits, session_ids=session_ids)
         await send({"type": "lifespan.startup.complete"})
         try:
             await receive()  # lifespan.shutdown

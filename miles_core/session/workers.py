@@ -33,14 +33,12 @@ import struct
 import zlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote
 
 from miles_core.errors import ConfigError, MilesError
-
-if TYPE_CHECKING:
-    from miles_core.session.config import ServiceLimits, SessionServerConfig
+from miles_core.session.config import ServiceLimits, SessionServerConfig
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -77,22 +75,21 @@ class Shard:
         return ids[:n]
 
     def limits(self, limits: ServiceLimits) -> ServiceLimits:
-        from miles_core.session.config import ServiceLimits
-
         return ServiceLimits(max_sessions=math.ceil(limits.max_sessions / self.count), max_turns=limits.max_turns)
 
 
-@dataclass
 class Router:
     """This worker's end of the handoff channels: ``outgoing[k]`` sends to worker ``k``,
     ``incoming`` receives from every other worker."""
 
-    shard: Shard
-    outgoing: dict[int, socket.socket]
-    incoming: list[socket.socket]
-    _next_create: int = 0
-    _queues: dict[int, deque[tuple[bytes, int | None]]] = field(default_factory=dict)
-    _partial: dict[int, tuple[int, bytearray, bool, socket.socket]] = field(default_factory=dict)
+    def __init__(self, shard: Shard, outgoing: dict[int, socket.socket], incoming: list[socket.socket]) -> None:
+        self.shard = shard
+        self.outgoing = outgoing
+        self.incoming = incoming
+        self._next_create = 0  # the last round-robin offset a POST /sessions went to
+        self._queues: dict[int, deque[tuple[bytes, int | None]]] = {}  # per target: messages not yet sent
+        # per incoming channel: a connection whose bytes are still arriving (total, bytes, serve_first, socket)
+        self._partial: dict[int, tuple[int, bytearray, bool, socket.socket]] = {}
 
     # -- deciding -------------------------------------------------------------------------------
 
