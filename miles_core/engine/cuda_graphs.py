@@ -12,7 +12,9 @@ share one memory pool and are replayed one at a time.
 
 Graphs read the model's parameters and the :class:`~miles_core.engine.state.SlotState` tensors by
 address: weight updates copy in place (addresses kept); when the state reallocates (KV capacity
-growth bumps ``state.generation``) every graph is dropped and recaptured on demand.
+growth bumps ``state.generation``) every graph is dropped and recaptured on demand, into a new
+pool: the dropped graphs release theirs, and PyTorch's allocator refuses a capture into a released
+pool while a tensor of it is still alive (an overlapped step's logits are).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class DecodeGraphs:
         """Logits ``[n, vocab]`` of one decode step of rows ``[0, n)`` (``n = len(ids)``)."""
         if self.state.generation != self.generation:
             self.graphs.clear()
+            with self.runtime.device(self.state.device):
+                self.pool = self.runtime.graph_pool_handle()
             self.generation = self.state.generation
         n = ids.shape[0]
         bucket, graph_span = self.key(n, span)

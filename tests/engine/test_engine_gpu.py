@@ -137,3 +137,24 @@ def test_in_place_recurrent_decode_equals_fla_entry_point() -> None:
     expected = gdn_ops._fla_entry_point_decode(qk[:, :hk], qk[:, hk:], v, g, beta, by_copy)
     assert not torch.equal(in_place, state)  # the step did update the state
     assert torch.equal(out, expected) and torch.equal(in_place, by_copy)
+
+
+@pytest.mark.parametrize("overlap_steps", [True, False])
+def test_kv_growth_while_decoding_recaptures_the_graphs(cache, overlap_steps: bool) -> None:
+    """Sequences that outgrow the initial KV capacity (256) mid-decode reallocate the state: every
+    graph is dropped and recaptured while the last replay's logits may still be in use (overlapped
+    steps). The engine must go on, and give the tokens of the eager step at temperature 0."""
+    def tokens(cuda_graphs: bool) -> list[list[int]]:
+        config = EngineConfig(device="cuda", max_batch_size=4, cuda_graphs=cuda_graphs, overlap_steps=overlap_steps)
+        with Engine.from_pretrained(preset_dir("tiny", cache), config) as engine:
+            requests = [
+                GenerationRequest([(5 * i + j) % 256 for j in range(20 + i)],
+                                  SamplingParams(max_tokens=300 + 20 * i, temperature=0.0, ignore_eos=True))
+                for i in range(3)
+            ]
+            completions = engine.generate(requests)
+            assert engine.runner_info()["kv_capacity"] >= 320 + 22 + 40
+        assert [len(c.token_ids) for c in completions] == [300, 320, 340]
+        return [c.token_ids for c in completions]
+
+    assert tokens(cuda_graphs=True) == tokens(cuda_graphs=False)

@@ -11,16 +11,18 @@ give the logits of the CPU path (same fp32 arithmetic up to summation order: <= 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import types
+import weakref
 
 import pytest
 import torch
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.engine import gdn_ops
-from miles_core.engine.cuda_graphs import batch_buckets
+from miles_core.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from miles_core.engine.lean_model import LeanModel
 from miles_core.engine.state import SlotState
 
@@ -159,6 +161,64 @@ def test_batch_buckets_cover_every_batch_size() -> None:
         assert buckets[-1] == max_rows and buckets == sorted(set(buckets))
         assert all(any(b >= n for b in buckets) for n in range(1, max_rows + 1))
     assert batch_buckets(64)[:5] == [1, 2, 4, 8, 16]
+
+
+class _PoolRuntime:
+    """``torch.cuda``'s graph API as :class:`DecodeGraphs` calls it, on the host, keeping the
+    caching allocator's rule that broke a GPU run: a capture may not go into a pool whose graphs
+    were all released (PyTorch asserts ``use_count > 0``; blocks of the pool were still alive)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}  # pool -> graphs captured into it and not yet released
+        self.captured_into: list[int] = []
+
+    def graph_pool_handle(self) -> int:
+        handle = len(self.live)
+        self.live[handle] = 0
+        return handle
+
+    @contextlib.contextmanager
+    def graph(self, graph: object, pool: int, capture_error_mode: str):
+        if pool in self.captured_into and self.live[pool] == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (capture into a released pool)")
+        self.captured_into.append(pool)
+        self.live[pool] += 1
+        weakref.finalize(graph, self._release, pool)
+        yield
+
+    def _release(self, pool: int) -> None:
+        self.live[pool] -= 1
+
+    class CUDAGraph:
+        def replay(self) -> None:
+            pass
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    def current_stream(self) -> _PoolRuntime.Stream:
+        return self.Stream()
+
+    def stream(self, stream: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def device(self, device: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def test_graphs_dropped_when_the_state_grows_are_recaptured_into_a_new_pool(monkeypatch) -> None:
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    runtime = _PoolRuntime()
+    state = types.SimpleNamespace(max_slots=4, device=torch.device("cpu"), generation=0, capacity=256,
+                                  lengths=torch.zeros(4, dtype=torch.long))
+    graphs = DecodeGraphs(lambda _state, ids, _span: ids[:, None] * 2.0, state, runtime)
+    graphs.run(torch.tensor([1, 2]), 10)  # eager run and capture
+    in_flight = graphs.run(torch.tensor([1, 2]), 10)  # a replay's logits, still held (overlapped steps)
+    state.generation += 1  # the KV capacity grew: every graph is dropped
+    logits = graphs.run(torch.tensor([3, 4]), 10)
+    assert graphs.captures == 2 and len(set(runtime.captured_into)) == 2
+    assert logits.tolist() == [[6.0], [8.0]] and in_flight.tolist() == [[2.0], [4.0]]
 
 
 def test_compiled_decode_regions_trace_once_per_layer_kind_and_equal_the_plain_step() -> None:
