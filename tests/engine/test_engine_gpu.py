@@ -20,7 +20,7 @@ from miles_core.engine.engine import Engine, EngineConfig
 from miles_core.engine.presets import preset_dir
 from miles_core.engine.selfcheck import logprob_tolerance
 
-register_cuda_ci(est_time=240, suite="stage-b-1-gpu-h200", labels=["gpu"])
+register_cuda_ci(est_time=300, suite="stage-b-1-gpu-h200", labels=["gpu"])
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
