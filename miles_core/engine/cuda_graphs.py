@@ -50,12 +50,15 @@ class DecodeGraphs:
         self.buckets = batch_buckets(state.max_slots, min_rows)
         self.min_span = min_span
         self.ids = torch.zeros(state.max_slots, dtype=torch.long, device=state.device)
-        with runtime.device(state.device):
-            self.pool = runtime.graph_pool_handle()
+        self.pool = self._new_pool()
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.generation = state.generation
         self.captures = 0
         self.replays = 0
+
+    def _new_pool(self) -> Any:
+        with self.runtime.device(self.state.device):
+            return self.runtime.graph_pool_handle()
 
     def key(self, n: int, span: int) -> tuple[int, int]:
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
@@ -68,8 +71,7 @@ class DecodeGraphs:
         """Logits ``[n, vocab]`` of one decode step of rows ``[0, n)`` (``n = len(ids)``)."""
         if self.state.generation != self.generation:
             self.graphs.clear()
-            with self.runtime.device(self.state.device):
-                self.pool = self.runtime.graph_pool_handle()
+            self.pool = self._new_pool()
             self.generation = self.state.generation
         n = ids.shape[0]
         bucket, graph_span = self.key(n, span)
