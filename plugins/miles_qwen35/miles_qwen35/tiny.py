@@ -25,10 +25,12 @@ TINY_CONFIG: dict[str, Any] = dict(
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=16,
+    # the Gated DeltaNet shapes of the engine's tiny preset: `miles doctor` on a GPU runs both, and
+    # fla compiles its Triton kernels once per shape (most of a fresh machine's first doctor run)
     linear_num_value_heads=4,
     linear_num_key_heads=2,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
     num_experts=4,
     num_experts_per_tok=2,

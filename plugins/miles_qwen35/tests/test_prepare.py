@@ -226,3 +226,16 @@ def test_a_layer_swapped_in_after_preparing_fails_verification(qwen_pm) -> None:
     with pytest.raises(PatchVerificationError, match=r"at model\.layers\.1\.linear_attn was not enabled"):
         GatedDeltaNetPackingPatch().verify(model)
     prepare_model(model)  # preparing again covers it
+
+
+def test_tiny_models_share_the_engine_tiny_presets_gdn_shapes() -> None:
+    """`miles doctor` runs this plugin's tiny models and the engine's tiny preset; on a GPU fla
+    compiles a Triton kernel per shape: with one shape for both, each kernel compiles once."""
+    from miles_qwen35.tiny import TINY_CONFIG
+
+    from miles_core.engine.presets import get_preset
+
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    engine = get_preset("tiny").text_config
+    assert {k: TINY_CONFIG[k] for k in keys} == {k: engine[k] for k in keys}
