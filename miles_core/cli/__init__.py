@@ -85,15 +85,26 @@ def cli() -> None:
     """
 
 
+_command_process = False
+
+
+def is_command_process() -> bool:
+    """Whether this process is a ``miles`` command's own: it ends when the command does (see
+    :func:`main`). Commands may then leave process-wide settings (signal handlers) in place."""
+    return _command_process
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: MilesError becomes a one-line message and its exit code.
 
     ``argv=None`` (the console script, ``python -m miles_core``) means this process's own command
     line: the process ends with the command, so its exit skips the collector's teardown of the
     imported modules (:func:`miles_core.gc_pause.freeze_at_exit`). Callers passing ``argv`` (tests,
-    embedding code) keep their process's collector as it is.
+    embedding code) keep their process's collector and signal handlers as they are.
     """
     if argv is None:
+        global _command_process
+        _command_process = True
         import atexit
 
         from miles_core.gc_pause import freeze_at_exit

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import signal
@@ -13,6 +12,7 @@ from typing import Any
 
 import click
 
+from miles_core.cli import is_command_process
 from miles_core.cli._output import quiet_libraries
 
 _FLAG_SETTINGS = {
@@ -127,16 +127,16 @@ def train(
         result = run_training(config, get_plugin_manager(), resume=resume, started=started)
         if threading.current_thread() is threading.main_thread():  # the run is over: Ctrl-C only exits
             previous = signal.signal(signal.SIGINT, _exit_interrupted)
-            # atexit callbacks run last registered first: this one, before those of the libraries
-            # (torch's prints its compile times), so a Ctrl-C there exits too instead of a traceback
-            atexit.register(signal.signal, signal.SIGINT, _exit_interrupted)
     except KeyboardInterrupt:
         click.echo("aborted (Ctrl-C): the run stopped where it was; its last checkpoint, if any, is kept", err=True)
         sys.exit(INTERRUPTED)
     try:
         _report(result.summary(), as_json)
     finally:
-        if previous is not None:
+        # the command's own process keeps the handler until it ends: Python's shutdown runs code of
+        # its own (threading's, then atexit callbacks such as torch's), where a Ctrl-C would print a
+        # KeyboardInterrupt traceback; a caller running the command in its process gets its own back
+        if previous is not None and not is_command_process():
             signal.signal(signal.SIGINT, previous)
 
 

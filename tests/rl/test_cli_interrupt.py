@@ -135,6 +135,54 @@ def test_ctrl_c_while_the_stopped_run_exits_never_prints_a_traceback(char_model_
     assert summary.exists() and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
 
 
+#: `miles train` with a non-daemon thread that never ends (as a library's may): Python's shutdown
+#: waits for it, and the thread marks when that wait has begun
+_LINGERING = """
+import os, pathlib, threading, time
+
+def linger():
+    while not threading._SHUTTING_DOWN:
+        time.sleep(0.01)
+    pathlib.Path(os.environ["SHUTDOWN_MARKER"]).touch()
+    threading.Event().wait()
+
+threading.Thread(target=linger).start()
+from miles_core.cli import main
+main()
+"""
+
+
+def test_ctrl_c_during_pythons_shutdown_exits_without_a_traceback(char_model_dir, tmp_path):
+    """After the run has ended, Python's shutdown still runs code (threading's wait for other
+    threads, then atexit callbacks): a Ctrl-C there ends the process with status 130, never with a
+    KeyboardInterrupt traceback from inside the interpreter's shutdown."""
+    import threading
+
+    if not hasattr(threading, "_SHUTTING_DOWN"):
+        pytest.skip("this Python's threading has no _SHUTTING_DOWN flag to tell when its shutdown began")
+    runs, marker = tmp_path / "runs", tmp_path / "shutting-down"
+    config = _config(tmp_path / "run.toml", char_model_dir, runs, steps=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_CACHE_DIR": str(tmp_path / "cache"),
+           "SHUTDOWN_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, "-c", _LINGERING, "train", "--config", str(config)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the run never reached Python's shutdown: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the Ctrl-C did not end the process") from None
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert out.startswith("done: 2 steps in ")
+
+
 def test_on_an_80_column_terminal_the_bar_keeps_its_clock(char_model_dir, tmp_path):
     """stderr on a pseudo-terminal 80 columns wide: the live bar, its count and an h:mm:ss clock
     that counts from the command's start (never cut to `0:00:…`)."""
