@@ -23,6 +23,7 @@ import sys
 import zlib
 from typing import NamedTuple
 
+from miles_core.cache_dir import cache_root
 from miles_core.fileio import write_bytes_atomic
 
 CACHE_VERSION = 3
@@ -70,9 +71,7 @@ def _path_stamp() -> list[list[object]]:
 
 def _cache_file(group: str) -> str:
     # os.path rather than pathlib: importing pathlib costs more than this whole module
-    root = os.environ.get("MILES_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "miles"
-    )
+    root = cache_root()
     # one file per interpreter, group and sys.path: `miles` (its bin directory first on sys.path)
     # and `python -m miles_core` (the working directory first) would otherwise rewrite one file
     # in turn, each start rescanning what the other just cached

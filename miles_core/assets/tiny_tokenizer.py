@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles_core.cache_dir import cache_root
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -115,7 +117,7 @@ def write_tiny_tokenizer(directory: str | os.PathLike[str]) -> Path:
 
 def tiny_tokenizer_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The tokenizer directory, generated once per recipe digest under the miles cache."""
-    root = Path(cache_dir or os.environ.get("MILES_CACHE_DIR") or Path.home() / ".cache" / "miles")
+    root = Path(cache_dir or cache_root())
     target = root / f"tiny-chatml-{recipe_digest()}"
     if (target / "miles_asset.json").exists():
         return target

@@ -80,7 +80,7 @@ def cli() -> None:
       MILES_PLUGIN_SLOW_MS=ms      flag plugins slower than this to load (default 200)
       MILES_HARDWARE=name          select this hardware backend instead of detecting one
       MILES_CACHE_DIR=dir          cache of built model presets and the entry-point scan
-                                   (default ~/.cache/miles)
+                                   (default $XDG_CACHE_HOME/miles or ~/.cache/miles)
       MILES_NO_ENTRY_POINT_CACHE=1 rescan installed distributions on every start
     """
 

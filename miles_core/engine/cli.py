@@ -93,7 +93,7 @@ def presets(as_json: bool) -> None:
 
 @engine.command("build-preset")
 @click.argument("name", type=click.Choice(sorted(PRESETS)))
-@click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root [default: $MILES_CACHE_DIR or ~/.cache/miles].")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache root [default: $MILES_CACHE_DIR, else $XDG_CACHE_HOME/miles or ~/.cache/miles].")
 def build_preset(name: str, cache_dir: str | None) -> None:
     """Build preset NAME once (Hugging Face layout) and print its directory."""
     from miles_core.engine.presets import preset_dir

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from miles_core.cache_dir import cache_root
 from miles_core.errors import ConfigError
 from miles_core.hardware.gdn import gdn_model_device
 
@@ -221,7 +222,7 @@ def get_preset(name: str) -> Preset:
 def preset_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The preset's model directory, built once per recipe digest under the miles cache."""
     preset = get_preset(name)
-    root = Path(cache_dir or os.environ.get("MILES_CACHE_DIR") or Path.home() / ".cache" / "miles")
+    root = Path(cache_dir or cache_root())
     target = root / f"preset-{preset.name}-{preset.digest()}"
     if (target / MARKER).exists():
         return target
