@@ -23,9 +23,9 @@ def check_embedded(model_path: str | None = None) -> dict[str, Any]:
     the model (for example a transformers release whose cache interface changed).
 
     The decode step runs eagerly (replayed from CUDA graphs on a GPU), not through
-    ``torch.compile``: compiling it was most of a GPU doctor's warm engine time (H100: 9.7 s
-    with it, 0.4-0.5 s without; ~10 s of a fresh machine's 30) and proves the compiler, not the engine; the GPU tests hold the compiled step
-    to the same teacher-forced forward.
+    ``torch.compile``: compiling it was most of a GPU doctor's warm engine time (H100: 9.7 s with
+    it, 0.4-0.5 s without) and proves the compiler, not the engine; the GPU tests hold the
+    compiled step to the same teacher-forced forward.
     """
     import torch
 

@@ -29,7 +29,7 @@ def test_the_setting_then_xdg_then_the_home_directory(env: pytest.MonkeyPatch, t
     assert cache_root() == str(tmp_path / "mine")
 
 
-def test_presets_the_tokenizer_and_the_entry_point_scan_share_it(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_tokenizer_and_the_entry_point_scan_share_it(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the tiny tokenizer needs the train extra")
     from miles_core.assets.tiny_tokenizer import tiny_tokenizer_dir
 

@@ -9,7 +9,7 @@ import torch
 from miles_qwen35 import coverage
 from miles_qwen35.coverage import Architecture, gdn_architectures
 from miles_qwen35.patch import GatedDeltaNetPackingPatch, is_gated_deltanet
-from miles_qwen35.tiny import tiny_config, tiny_model
+from miles_qwen35.tiny import TINY_CONFIG, tiny_config, tiny_model
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ActivationError, PluginLoadError
@@ -231,8 +231,6 @@ def test_a_layer_swapped_in_after_preparing_fails_verification(qwen_pm) -> None:
 def test_tiny_models_share_the_engine_tiny_presets_gdn_shapes() -> None:
     """`miles doctor` runs this plugin's tiny models and the engine's tiny preset; on a GPU fla
     compiles a Triton kernel per shape: with one shape for both, each kernel compiles once."""
-    from miles_qwen35.tiny import TINY_CONFIG
-
     from miles_core.engine.presets import get_preset
 
     keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
