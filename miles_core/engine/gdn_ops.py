@@ -7,7 +7,9 @@ recurrent update is fla's fused kernel; elsewhere it is written out in torch wit
 of transformers' ``torch_recurrent_gated_delta_rule`` (the reference the engine is tested
 against).
 
-Prefill runs a batch of segments, right-padded to a common length. Padding positions get
+Prefill runs a batch of segments. With fla on CUDA they stay packed (:func:`conv_prefill_packed`,
+:func:`chunk_prefill_packed`: fla's variable-length kernels, one initial state per segment);
+otherwise they are right-padded to a common length. Padding positions get
 ``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state a segment ends with is
 exactly the state after its last real token, whatever the padding; the causal convolution cannot
 see padding to the right of a token. Each segment starts from its row's state (zero for a fresh
@@ -229,6 +231,60 @@ def torch_chunk_size(width: int) -> int:
     quadratic in its length, padding fills the last chunk, and chunks run one after another: short
     prompts (GRPO's, chat turns) are cheapest in chunks of 16, long ones in transformers' 64."""
     return 16 if width <= 128 else 32 if width <= 512 else 64
+
+
+#: the parameters of fla's causal conv that :func:`conv_prefill_packed` passes (fla 0.6)
+_CONV_PARAMETERS = frozenset({"initial_state", "output_final_state", "activation", "cu_seqlens", "cu_seqlens_cpu"})
+
+
+@functools.cache
+def fla_conv() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """fla's variable-length causal conv (``fla.modules.causal_conv1d``) when it imports and takes
+    the parameters this module passes, else ``None`` (the prefill then pads its segments)."""
+    try:
+        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+    except (ImportError, AttributeError):
+        return None
+    return conv if set(inspect.signature(conv).parameters) >= _CONV_PARAMETERS else None
+
+
+def conv_prefill_packed(
+    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`conv_prefill` followed by SiLU, on packed segments, through fla's kernel: ``x``
+    ``[T, C]`` (segment ``i`` is ``x[cu_seqlens[i]:cu_seqlens[i + 1]]``), ``windows`` ``[S, K, C]``.
+
+    Returns the activated output ``[T, C]`` in ``x``'s dtype and the new windows ``[S, K, C]``.
+    fla keeps a segment's window channels-first (``[S, C, K]``, newest input last); like
+    :func:`conv_prefill` it sums the ``K`` products oldest first in fp32, adds the bias, applies
+    SiLU in fp32 and rounds once.
+    """
+    conv = fla_conv()
+    if conv is None:
+        raise RuntimeError("fla.modules.causal_conv1d does not import")
+    out, final = conv(
+        x[None], weight, bias, initial_state=windows.transpose(1, 2).contiguous(), output_final_state=True,
+        activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    if final is None:
+        raise RuntimeError("fla's causal_conv1d returned no final state")
+    return out[0], final.transpose(1, 2).to(windows.dtype)
+
+
+def chunk_prefill_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_prefill` on packed segments through fla: ``q``/``k`` ``[T, Hk, Dk]``, ``v``
+    ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32. Returns the
+    output ``[T, Hv, Dv]`` and the final states ``[S, Hv, Dk, Dv]`` (fp32)."""
+    out, final = require_fla_ops().chunk_gated_delta_rule(
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
+        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        **_cpu_seqlens(cu_seqlens_cpu),
+    )
+    return out[0], final.float()
 
 
 def chunk_prefill(

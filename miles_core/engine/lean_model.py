@@ -444,6 +444,9 @@ class LeanModel:
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
+        #: GDN prefill over the packed tokens through fla's variable-length conv and chunk kernels
+        #: (no padding, ~25 fewer launches a layer); otherwise right-padded segments
+        self.packed_gdn_prefill = self.fla_step is not None and gdn_ops.fla_conv() is not None
         self.fuse_norms(on_accelerator)
         self.regions = _PLAIN
 
@@ -674,6 +677,8 @@ class LeanModel:
                      batch: Prefill) -> torch.Tensor:
         """The causal conv and the chunked recurrence of the batch's segments (their rows' conv
         windows and recurrent states updated); the recurrence's output ``[T, Hv, Dv]``."""
+        if self.packed_gdn_prefill:
+            return self._gdn_prefill_packed(m, qkv, beta, g, state, batch)
         conv_rows = state.conv[m.index]
         out, window = gdn_ops.conv_prefill(
             self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv_weight, m.conv_bias
@@ -686,6 +691,22 @@ class LeanModel:
         core, final = gdn_ops.chunk_prefill(
             q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows], batch.packed_index,
             batch.cu_seqlens, batch.cu_seqlens_cpu,
+        )
+        recurrent[batch.rows] = final
+        return core
+
+    def _gdn_prefill_packed(self, m: _GDN, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                            state: SlotState, batch: Prefill) -> torch.Tensor:
+        """:meth:`_gdn_prefill` on the packed tokens (fla's variable-length kernels, no padding)."""
+        conv_rows = state.conv[m.index]
+        mixed, windows = gdn_ops.conv_prefill_packed(
+            qkv, conv_rows[batch.rows], m.conv_weight, m.conv_bias, batch.cu_seqlens, batch.cu_seqlens_cpu
+        )
+        conv_rows[batch.rows] = windows
+        q, k, v = _split_qkv(m, mixed)  # SiLU applied: the layers' activation (see unsupported_reason)
+        recurrent = state.recurrent[m.index]
+        core, final = gdn_ops.chunk_prefill_packed(
+            q, k, v, g, beta, recurrent[batch.rows], batch.cu_seqlens, batch.cu_seqlens_cpu
         )
         recurrent[batch.rows] = final
         return core

@@ -162,3 +162,40 @@ def test_kv_growth_while_decoding_recaptures_the_graphs(cache, overlap_steps: bo
         return [c.token_ids for c in completions]
 
     assert tokens(cuda_graphs=True) == tokens(cuda_graphs=False)
+
+
+def test_packed_gdn_prefill_equals_the_padded_one(cache) -> None:
+    """fla's variable-length conv over the packed tokens against the padded torch conv (fla's chunk
+    kernel on both sides), prompts prefilled in two chunks: the conv windows are copies of inputs
+    (equal), and the logits agree to fp32 rounding carried through one forward (tf32 inside fla)."""
+    from miles_core.engine import gdn_ops
+    from miles_core.engine.lean_model import LeanModel
+    from miles_core.engine.loader import load_model
+    from miles_core.engine.state import SlotState
+
+    if gdn_ops.fla_ops() is None or gdn_ops.fla_conv() is None:
+        pytest.skip("fla's gated delta rule or causal conv does not import")
+    model = load_model(preset_dir("tiny", cache), dtype="float32", device="cuda").model
+    prompts = [[(5 * i + j) % 256 for j in range(3 + 11 * i)] for i in range(4)]
+
+    def prefill(packed: bool) -> tuple[list[torch.Tensor], SlotState]:
+        lean = LeanModel(model, max_model_len=256, max_rows=4)
+        assert lean.packed_gdn_prefill
+        lean.packed_gdn_prefill = packed
+        state = SlotState(lean.state_shapes(), max_slots=4, staging=0, max_model_len=256, dtype=torch.float32,
+                          device=torch.device("cuda"), keys_transposed=False)
+        logits = []
+        with torch.inference_mode():
+            state.reset_rows(list(range(4)))
+            halves = [(p[: len(p) // 2 + 1], p[len(p) // 2 + 1 :]) for p in prompts]
+            logits.append(lean.prefill(state, lean.prefill_batch(list(range(4)), [0] * 4, [h[0] for h in halves])))
+            rows = [i for i, h in enumerate(halves) if h[1]]
+            logits.append(lean.prefill(state, lean.prefill_batch(rows, [len(halves[i][0]) for i in rows],
+                                                                 [halves[i][1] for i in rows])))
+        return logits, state
+
+    (packed, a), (padded, b) = prefill(True), prefill(False)
+    assert torch.equal(a.conv, b.conv)
+    for x, y in zip(packed, padded):
+        assert (x.log_softmax(-1) - y.log_softmax(-1)).abs().max() <= logprob_tolerance("cuda")
+    torch.testing.assert_close(a.recurrent, b.recurrent, rtol=1e-3, atol=1e-4)

@@ -139,6 +139,42 @@ def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
     assert _close(with_fla, reference) <= 1e-5
 
 
+def _fla_conv_stand_in(calls: list[str]):
+    """fla's ``causal_conv1d`` (variable length, SiLU, initial and final states) as its kernels
+    compute it: a segment's state is ``[D, W]``, newest input last; its output at ``t`` sums
+    ``weight[:, j] * x[t - W + 1 + j]`` over ``j`` (inputs before the segment from the state's last
+    ``W - 1`` columns), adds the bias and applies SiLU; the final state is the last ``W`` inputs,
+    the initial state's before a segment shorter than ``W``, in ``x``'s dtype."""
+    def causal_conv1d(x, weight, bias, *, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu):
+        assert x.shape[0] == 1 and activation == "silu" and output_final_state and initial_state.is_contiguous()
+        assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu) and len(cu_seqlens) - 1 == initial_state.shape[0]
+        calls.append("conv")
+        width = weight.shape[1]
+        outs, finals = [], []
+        for i, (start, end) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
+            history = torch.cat([initial_state[i].t().to(x.dtype), x[0, start:end]])  # [W + L, D], time-major
+            taps = history[1:].unfold(0, width, 1)  # [L, D, W]: each output's W inputs, oldest first
+            y = (taps.float() * weight.float()).sum(-1) + (0 if bias is None else bias.float())
+            outs.append(torch.nn.functional.silu(y).to(x.dtype))
+            finals.append(history[-width:].t())
+        return torch.cat(outs)[None], torch.stack(finals)
+    return causal_conv1d
+
+
+def test_packed_gdn_prefill_through_fla_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
+    """With fla's conv importable the GDN prefill stays packed (no padding): the conv windows go to
+    fla channels-first and come back, and every step's logits equal the padded CPU path's."""
+    reference = _run(tiny_model, chunk=24)
+    stand_in = _FlaStandIn()
+    monkeypatch.setattr(gdn_ops, "fla_ops", lambda: stand_in)
+    monkeypatch.setattr(gdn_ops, "use_fla", lambda t: True)
+    monkeypatch.setattr(gdn_ops, "_chunk_parameters", lambda: frozenset({"cu_seqlens_cpu"}))
+    monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
+    packed = _run(tiny_model, chunk=24)  # prompts of 70 and 33 tokens: continuations from stored windows
+    assert {"conv", "chunk", "recurrent"} <= set(stand_in.calls)
+    assert _close(packed, reference) <= 1e-5
+
+
 def test_the_torch_chunk_rule_is_transformers_own_function_not_its_binding() -> None:
     # the module-level name may be a wrapper (or, with the kernels package, a module object) that
     # routes CUDA tensors to fla; the engine's fallback must be the pure-torch function itself
