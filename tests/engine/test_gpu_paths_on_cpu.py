@@ -128,12 +128,18 @@ def _grouped_value_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     return (q, k) if rep == 1 else (q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2))
 
 
-def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
-    reference = _run(tiny_model, chunk=24)
+def _use_fla_stand_in(monkeypatch: pytest.MonkeyPatch) -> _FlaStandIn:
+    """Route the lean forward's GDN kernels to :class:`_FlaStandIn`, as on CUDA with fla."""
     stand_in = _FlaStandIn()
     monkeypatch.setattr(gdn_ops, "fla_ops", lambda: stand_in)
     monkeypatch.setattr(gdn_ops, "use_fla", lambda t: True)
     monkeypatch.setattr(gdn_ops, "_chunk_parameters", lambda: frozenset({"cu_seqlens_cpu"}))
+    return stand_in
+
+
+def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
+    reference = _run(tiny_model, chunk=24)
+    stand_in = _use_fla_stand_in(monkeypatch)
     with_fla = _run(tiny_model, chunk=24)
     assert {"chunk", "recurrent"} <= set(stand_in.calls)
     assert _close(with_fla, reference) <= 1e-5
@@ -165,10 +171,7 @@ def test_packed_gdn_prefill_through_fla_equals_the_torch_kernels(tiny_model, mon
     """With fla's conv importable the GDN prefill stays packed (no padding): the conv windows go to
     fla channels-first and come back, and every step's logits equal the padded CPU path's."""
     reference = _run(tiny_model, chunk=24)
-    stand_in = _FlaStandIn()
-    monkeypatch.setattr(gdn_ops, "fla_ops", lambda: stand_in)
-    monkeypatch.setattr(gdn_ops, "use_fla", lambda t: True)
-    monkeypatch.setattr(gdn_ops, "_chunk_parameters", lambda: frozenset({"cu_seqlens_cpu"}))
+    stand_in = _use_fla_stand_in(monkeypatch)
     monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
     packed = _run(tiny_model, chunk=24)  # prompts of 70 and 33 tokens: continuations from stored windows
     assert {"conv", "chunk", "recurrent"} <= set(stand_in.calls)
