@@ -169,6 +169,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on a GPU")
     parser.add_argument("--no-overlap", action="store_true",
                         help="read each decode step's tokens before launching the next (the GPU default overlaps them)")
+    parser.add_argument("--gdn-state-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="storage of the engine's GDN recurrent states (default: float32)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -192,7 +194,8 @@ def main() -> None:
     for n in args.requests:
         config = EngineConfig(max_batch_size=n, runner=args.runner, cuda_graphs=not args.no_cuda_graphs,
                               compile_decode=False if args.no_compile else None, cpu_threads=args.cpu_threads,
-                              overlap_steps=False if args.no_overlap else None)
+                              overlap_steps=False if args.no_overlap else None,
+                              gdn_state_dtype=args.gdn_state_dtype)
         engine = Engine(loaded, config, name=args.model_path or args.preset)
         try:
             for lengths in args.lengths:

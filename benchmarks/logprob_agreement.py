@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--gdn-state-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="storage of the engine's GDN recurrent states")
     parser.add_argument("--max-tokens-per-row", type=int, default=8192, help="the trainer's row length (small-gpu's)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -67,7 +69,8 @@ def main() -> None:
                           SamplingParams(max_tokens=args.new_tokens, seed=i, ignore_eos=True))
         for i in range(args.requests)
     ]
-    config = EngineConfig(max_batch_size=args.requests, dtype=args.dtype, device=device.type)
+    config = EngineConfig(max_batch_size=args.requests, dtype=args.dtype, device=device.type,
+                          gdn_state_dtype=args.gdn_state_dtype)
     with Engine.from_pretrained(path, config) as engine:
         completions = engine.generate(requests)
     # scoring needs no advantage: it carries the document's index through packing instead
@@ -86,7 +89,8 @@ def main() -> None:
 
     pairs = [("engine", "trainer_packed"), ("engine", "trainer_alone"), ("trainer_alone", "trainer_packed"),
              ("engine", "fp32"), ("trainer_packed", "fp32"), ("trainer_alone", "fp32")]
-    print(json.dumps({"preset": args.preset, "device": args.device, "dtype": args.dtype, "requests": args.requests,
+    print(json.dumps({"preset": args.preset, "device": args.device, "dtype": args.dtype,
+                      "gdn_state_dtype": args.gdn_state_dtype, "requests": args.requests,
                       "new_tokens": args.new_tokens, **{f"{a}~{b}": delta(a, b) for a, b in pairs}}))
 
 

@@ -30,6 +30,7 @@ def engine() -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="Seeds the per-request seeds of requests that bring none.")
 @click.option("--weight-version", default="0", show_default=True, help="Weight version reported until the first weight update.")
 @click.option("--served-model-name", help="Model name in responses and /v1/models [default: the directory or preset name].")
+@click.option("--gdn-state-dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]), help="Storage of the Gated DeltaNet recurrent states: bfloat16 halves their memory and most of a decode step's traffic, at one rounding of each state per token (see docs/engine.md).")
 @click.option("--cpu-threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch intra-op threads when serving on CPU.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]), help="uvicorn log level.")
 def serve(
@@ -45,6 +46,7 @@ def serve(
     seed: int,
     weight_version: str,
     served_model_name: str | None,
+    gdn_state_dtype: str,
     cpu_threads: int,
     log_level: str,
 ) -> None:
@@ -64,7 +66,7 @@ def serve(
 
     config = EngineConfig(
         max_batch_size=max_batch_size, max_model_len=max_model_len, dtype=dtype, device=device,
-        seed=seed, weight_version=weight_version, cpu_threads=cpu_threads,
+        seed=seed, weight_version=weight_version, cpu_threads=cpu_threads, gdn_state_dtype=gdn_state_dtype,
     )
     if preset is not None:
         path: str | Path = preset_dir(preset)

@@ -68,7 +68,7 @@ from miles_core.engine.base import (
     Timing,
 )
 from miles_core.engine.loader import LoadedModel, check_weights, load_model, read_safetensors_dir
-from miles_core.engine.runner import RUNNERS, Runner, build_runner
+from miles_core.engine.runner import GDN_STATE_DTYPES, RUNNERS, Runner, build_runner
 from miles_core.engine.sampling import RowParams, filters, row_values, sample_rows, uniforms
 from miles_core.engine.stopping import Stop, StopChecker, StopRule
 from miles_core.errors import ConfigError
@@ -116,6 +116,10 @@ class EngineConfig:
     #: tokens, and a sequence that stops at ``t`` costs one discarded row of step ``t + 1``.
     #: ``None``: on where the device computes asynchronously (a GPU), off on CPU (nothing to hide)
     overlap_steps: bool | None = None
+    #: storage of the Gated DeltaNet recurrent states (lean runner): ``float32`` (the trainer's
+    #: precision) or ``bfloat16`` (half the memory and the decode step's largest traffic, at a
+    #: rounding of the state after every token; the arithmetic stays fp32 either way)
+    gdn_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -132,6 +136,8 @@ class EngineConfig:
             raise ConfigError(f"compile_decode must be true, false or unset, got {self.compile_decode!r}")
         if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
             raise ConfigError(f"overlap_steps must be true, false or unset, got {self.overlap_steps!r}")
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            raise ConfigError(f"gdn_state_dtype must be one of {', '.join(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
         chunk = self.prefill_chunk_tokens
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1, got {chunk!r}")
@@ -317,7 +323,7 @@ class Engine:
         self._runner: Runner = build_runner(
             self.model, kind=self.config.runner, max_slots=self.config.max_batch_size,
             max_model_len=self.max_model_len, cuda_graphs=self.config.cuda_graphs,
-            compile_decode=self.config.compile_decode,
+            compile_decode=self.config.compile_decode, gdn_state_dtype=self.config.gdn_state_dtype,
         )
         on_host = self.device.type == "cpu"
         self._chunk_tokens = self.config.prefill_chunk_tokens or (2048 if on_host else 8192)

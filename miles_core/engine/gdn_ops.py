@@ -1,8 +1,10 @@
 """Gated DeltaNet kernels of the lean forward: batched decode step and padded chunked prefill.
 
 Decode (one token per row) updates the rows' causal-conv windows and recurrent states *in place*
-(``conv`` ``[n, kernel, channels]``, ``state`` ``[n, v_heads, k_dim, v_dim]`` fp32, views of the
-engine's slot tensors), so a step needs no gather and no scatter. On CUDA with fla importable the
+(``conv`` ``[n, kernel, channels]``, ``state`` ``[n, v_heads, k_dim, v_dim]``, views of the
+engine's slot tensors), so a step needs no gather and no scatter. The state is fp32 unless the
+engine stores it in bf16 (``gdn_state_dtype``); every update computes in fp32 and rounds once to
+the stored dtype. On CUDA with fla importable the
 recurrent update is fla's fused kernel; elsewhere it is written out in torch with the arithmetic
 of transformers' ``torch_recurrent_gated_delta_rule`` (the reference the engine is tested
 against).
@@ -121,7 +123,8 @@ def recurrent_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     eps: torch.Tensor, sqrt_dk: torch.Tensor, fla_step: FlaStep | None = None,
 ) -> torch.Tensor:
-    """One gated-delta-rule step per row, ``state`` ``[n, Hv, Dk, Dv]`` (fp32) updated in place.
+    """One gated-delta-rule step per row, ``state`` ``[n, Hv, Dk, Dv]`` updated in place: computed in
+    fp32 and stored in the state's dtype (one rounding per step where that is not fp32).
 
     ``q``/``k`` ``[n, Hk, Dk]``, not yet normalised; ``v`` ``[n, Hv, Dv]``, ``g``/``beta``
     ``[n, Hv]``; ``eps`` the l2norm epsilon and ``sqrt_dk`` the query scale's inverse (0-dim
@@ -136,11 +139,14 @@ def recurrent_decode(
     rep = hv // hk
     q = l2norm(q.float(), eps) / sqrt_dk
     k = l2norm(k.float(), eps)
-    s = state.view(n, hk, rep, dk, dv)
+    stored = state.view(n, hk, rep, dk, dv)
+    s = stored if stored.dtype == torch.float32 else stored.float()
     s.mul_(g.exp().view(n, hk, rep, 1, 1))
     memory = (s * k.reshape(n, hk, 1, dk, 1)).sum(-2)  # [n, hk, rep, dv]
     delta = (v.float().view(n, hk, rep, dv) - memory) * beta.float().view(n, hk, rep, 1)
     s.addcmul_(k.reshape(n, hk, 1, dk, 1), delta[:, :, :, None, :])
+    if s is not stored:
+        stored.copy_(s)
     return (s * q.reshape(n, hk, 1, dk, 1)).sum(-2).view(n, hv, dv)
 
 

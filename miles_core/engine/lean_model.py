@@ -689,10 +689,10 @@ class LeanModel:
         q, k, v = _split_qkv(m, mixed)
         recurrent = state.recurrent[m.index]
         core, final = gdn_ops.chunk_prefill(
-            q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows], batch.packed_index,
+            q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows].float(), batch.packed_index,
             batch.cu_seqlens, batch.cu_seqlens_cpu,
         )
-        recurrent[batch.rows] = final
+        recurrent[batch.rows] = final.to(recurrent.dtype)
         return core
 
     def _gdn_prefill_packed(self, m: _GDN, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
@@ -706,9 +706,9 @@ class LeanModel:
         q, k, v = _split_qkv(m, mixed)  # SiLU applied: the layers' activation (see unsupported_reason)
         recurrent = state.recurrent[m.index]
         core, final = gdn_ops.chunk_prefill_packed(
-            q, k, v, g, beta, recurrent[batch.rows], batch.cu_seqlens, batch.cu_seqlens_cpu
+            q, k, v, g, beta, recurrent[batch.rows].float(), batch.cu_seqlens, batch.cu_seqlens_cpu
         )
-        recurrent[batch.rows] = final
+        recurrent[batch.rows] = final.to(recurrent.dtype)
         return core
 
 

@@ -24,6 +24,8 @@ from miles_core.engine.state import SlotState
 from miles_core.errors import ConfigError
 
 RUNNERS = ("auto", "lean", "hf")
+#: storage dtypes of the lean runner's GDN recurrent states (``EngineConfig.gdn_state_dtype``)
+GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
 class Runner(Protocol):
@@ -50,7 +52,7 @@ class Runner(Protocol):
 
 
 def build_runner(model: Any, *, kind: str, max_slots: int, max_model_len: int, cuda_graphs: bool,
-                 compile_decode: bool | None = None) -> Runner:
+                 compile_decode: bool | None = None, gdn_state_dtype: str = "float32") -> Runner:
     """The runner ``kind`` asks for (``auto``: lean when the architecture has a lean forward)."""
     if kind not in RUNNERS:
         raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}; got {kind!r}")
@@ -60,20 +62,22 @@ def build_runner(model: Any, *, kind: str, max_slots: int, max_model_len: int, c
     if kind == "hf" or reason:
         return HFRunner(model, max_slots=max_slots, max_model_len=max_model_len, fallback_reason=reason)
     return LeanRunner(model, max_slots=max_slots, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                      compile_decode=compile_decode)
+                      compile_decode=compile_decode, gdn_state_dtype=getattr(torch, gdn_state_dtype))
 
 
 class LeanRunner:
     name = "lean"
 
     def __init__(self, model: Any, *, max_slots: int, max_model_len: int, cuda_graphs: bool,
-                 compile_decode: bool | None = None, staging: int = 2) -> None:
+                 compile_decode: bool | None = None, staging: int = 2,
+                 gdn_state_dtype: torch.dtype = torch.float32) -> None:
         self.model = LeanModel(model, max_model_len=max_model_len, max_rows=max_slots + staging)
         self.max_slots = max_slots
         self.staging = staging
         self.state = SlotState(
             self.model.state_shapes(), max_slots=max_slots, staging=staging, max_model_len=max_model_len,
             dtype=self.model.dtype, device=self.model.device, keys_transposed=not self.model.sdpa,
+            recurrent_dtype=gdn_state_dtype,
         )
         self.rows = self.state.rows
         self.lengths = self.state.host_lengths
@@ -128,7 +132,8 @@ class LeanRunner:
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"runner": self.name, "kv_capacity": self.state.capacity,
                                 "cuda_graphs": self.graphs is not None and self.graphs.capture,
-                                "compiled_decode": self.compiled}
+                                "compiled_decode": self.compiled,
+                                "gdn_state_dtype": str(self.state.recurrent.dtype).removeprefix("torch.")}
         if self.graphs is not None and self.graphs.capture:
             info.update(graphs=len(self.graphs.graphs), graph_captures=self.graphs.captures,
                         graph_replays=self.graphs.replays)

@@ -13,7 +13,8 @@ indexed copy per kind:
   invalidates captured graphs: see :attr:`generation`);
 * ``conv``: ``[gdn_layers, rows, kernel, channels]`` in the model dtype (channels last: the
   window's shift and the taps' sum run over contiguous rows);
-* ``recurrent``: ``[gdn_layers, rows, v_heads, k_dim, v_dim]`` in fp32;
+* ``recurrent``: ``[gdn_layers, rows, v_heads, k_dim, v_dim]`` in ``recurrent_dtype`` (fp32 unless
+  asked otherwise; the updates compute in fp32 whatever it stores);
 * ``lengths``: tokens stored per row, on the device (positions of the next token) and mirrored on
   the host.
 """
@@ -50,6 +51,7 @@ class SlotState:
         device: torch.device,
         initial_capacity: int = 256,
         keys_transposed: bool = False,
+        recurrent_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.shapes = shapes
         self.max_slots = max_slots
@@ -67,7 +69,7 @@ class SlotState:
         self.keys = torch.zeros(keys, dtype=dtype, device=device)
         self.values = torch.zeros(values, dtype=dtype, device=device)
         self.conv = torch.zeros((s.gdn_layers, self.rows, s.conv_kernel, s.conv_channels), dtype=dtype, device=device)
-        self.recurrent = torch.zeros((s.gdn_layers, self.rows, s.v_heads, s.k_dim, s.v_dim), dtype=torch.float32, device=device)
+        self.recurrent = torch.zeros((s.gdn_layers, self.rows, s.v_heads, s.k_dim, s.v_dim), dtype=recurrent_dtype, device=device)
         self.lengths = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.host_lengths = [0] * self.rows
 

@@ -78,18 +78,20 @@ def _mixed(n: int, vocab: int = 256) -> list[GenerationRequest]:
     return requests
 
 
-@pytest.mark.parametrize("preset, dtype", [("tiny", "float32"), ("small-gpu", "bfloat16")])
-def test_cuda_graphs_equal_the_eager_step_at_temperature_0(cache, preset: str, dtype: str) -> None:
+@pytest.mark.parametrize("preset, dtype, state_dtype", [
+    ("tiny", "float32", "float32"), ("small-gpu", "bfloat16", "float32"), ("small-gpu", "bfloat16", "bfloat16"),
+])
+def test_cuda_graphs_equal_the_eager_step_at_temperature_0(cache, preset: str, dtype: str, state_dtype: str) -> None:
     from miles_core.engine.loader import load_model
 
     loaded = load_model(preset_dir(preset, cache), dtype=dtype, device="cuda")
     requests = _mixed(40)
-    with Engine(loaded, EngineConfig(max_batch_size=48, cuda_graphs=False)) as eager:
+    with Engine(loaded, EngineConfig(max_batch_size=48, cuda_graphs=False, gdn_state_dtype=state_dtype)) as eager:
         assert eager.runner_info()["cuda_graphs"] is False
         by_eager = eager.generate(requests)
-    with Engine(loaded, EngineConfig(max_batch_size=48)) as graphed:
+    with Engine(loaded, EngineConfig(max_batch_size=48, gdn_state_dtype=state_dtype)) as graphed:
         info = graphed.runner_info()
-        assert info["runner"] == "lean" and info["cuda_graphs"] is True
+        assert info["runner"] == "lean" and info["cuda_graphs"] is True and info["gdn_state_dtype"] == state_dtype
         by_graph = graphed.generate(requests)
         again = graphed.generate(requests)  # replays only
         info = graphed.runner_info()
@@ -117,12 +119,14 @@ def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(cache) -> Non
                 assert (expected - torch.tensor(completion.logprobs)).abs().max() <= logprob_tolerance("cuda")
 
 
-def test_in_place_recurrent_decode_equals_fla_entry_point() -> None:
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_in_place_recurrent_decode_equals_fla_entry_point(state_dtype: torch.dtype) -> None:
     """The decode step runs fla's kernel with the state as its own final state; the public entry
     point (a new final state, copied back) runs the same kernel on the same inputs. The two tile
     the value axis differently (32 against fla's 8 columns), which changes only the order of the
-    fp32 sums over the key axis: states agree to fp32 rounding and outputs to one bf16 rounding
-    (``assert_close``'s defaults for those dtypes); tiles that overlapped would be far off."""
+    fp32 sums over the key axis: states agree to their dtype's rounding and outputs to one bf16
+    rounding (``assert_close``'s defaults for those dtypes); tiles that overlapped would be far
+    off. A bf16 state is loaded into fp32 and rounded once on the way back by both."""
     from miles_core.engine import gdn_ops
 
     if gdn_ops.fla_ops() is None or gdn_ops._fla_recurrent_kernel() is None:
@@ -134,7 +138,7 @@ def test_in_place_recurrent_decode_equals_fla_entry_point() -> None:
     v = rand(n, hv, dv).bfloat16()
     g = -torch.rand(n, hv, generator=gen, device="cuda")
     beta = torch.rand(n, hv, generator=gen, device="cuda").bfloat16()
-    state = rand(n, hv, dk, dv)
+    state = rand(n, hv, dk, dv).to(state_dtype)
     in_place, by_copy = state.clone(), state.clone()
     out = gdn_ops.fla_recurrent_step()(qk[:, :hk], qk[:, hk:], v, g, beta, in_place)
     expected = gdn_ops._fla_entry_point_decode(qk[:, :hk], qk[:, hk:], v, g, beta, by_copy)
