@@ -242,8 +242,12 @@ def _disk_full(exc: BaseException) -> bool:
     return False
 
 
-def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume under settings that change what the steps compute (run length may grow)."""
+def check_resumable(saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Refuse to resume under settings that change what the steps compute (run length may grow).
+
+    A setting the checkpoint does not record (added to miles after it was written) is the same
+    run when it has its default value now: that is what the run computed before the setting
+    existed."""
     # run.out_dir and run.runs_dir are where the run lives, not what it computes: a moved run, or
     # one named by a relative path, is the same run
     ignored = {("run", "steps"), ("run", "progress"), ("run", "plot"), ("run", "out_dir"), ("run", "runs_dir"),
@@ -253,7 +257,10 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> None:
     diffs = []
     for section, values in current.items():
         for key, value in values.items():
-            old = saved.get(section, {}).get(key)
+            saved_section = saved.get(section, {})
+            if key not in saved_section and value == defaults.get(section, {}).get(key):
+                continue
+            old = saved_section.get(key)
             if (section, key) not in ignored and old != value:
                 diffs.append(f"{section}.{key}: checkpoint has {old!r}, now {value!r}")
     if diffs:

@@ -80,6 +80,11 @@ class RolloutSection(_Section):
         description="episodes in flight at once (agentic path), in groups of this many; unset: a step's episodes all "
         "at once (over HTTP, at most 64 connections)",
     )
+    gdn_state_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="how the embedded engine stores Gated DeltaNet recurrent states: bfloat16 halves their memory "
+        "and most of a GPU decode step's traffic, at one rounding per token (docs/engine.md)",
+    )
 
 
 class RewardSection(_Section):

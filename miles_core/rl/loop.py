@@ -304,7 +304,7 @@ def _resume_point(out_dir: Path, config: TrainConfig) -> Path | None:
         if (out_dir / "metrics.jsonl").exists():
             raise ConfigError(f"--resume: {out_dir} has metrics but no complete checkpoint to resume from")
         return None
-    check_resumable(read_state(checkpoint).config, config.to_dict())
+    check_resumable(read_state(checkpoint).config, config.to_dict(), TrainConfig().to_dict())
     return checkpoint
 
 

@@ -43,11 +43,13 @@ SELECTORS: Mapping[str, tuple[str, str]] = {
     "orchestrator.kind": ("orchestrator", "orchestrator"),
 }
 
-#: per section, the settings every selected object honours (an object's ``settings`` adds its own)
+#: per section, the settings every selected object honours (an object's ``settings`` adds its own;
+#: ``rollout.gdn_state_dtype`` is the engine's, which every rollout function samples from)
 SHARED: Mapping[str, frozenset[str]] = {
     "algorithm": SHARED_SETTINGS,
     "rollout": frozenset(
-        {"path", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p", "top_k"}
+        {"path", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p", "top_k",
+         "gdn_state_dtype"}
     ),
     "trainer": frozenset({"backend", "device", "max_tokens_per_row", "packing"}),
     "orchestrator": frozenset({"kind"}),

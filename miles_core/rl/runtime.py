@@ -159,6 +159,7 @@ def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -
                 device=str(device),
                 seed=config.run.seed,
                 cpu_threads=config.run.torch_threads,
+                gdn_state_dtype=config.rollout.gdn_state_dtype,
             ),
         )
         closers.append(engine.close)

@@ -23,8 +23,14 @@ import torch
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
-from miles_core.rl.checkpoint import CheckpointWarning, latest_valid, list_checkpoints, problem
-from miles_core.rl.config import load_config
+from miles_core.rl.checkpoint import (
+    CheckpointWarning,
+    check_resumable,
+    latest_valid,
+    list_checkpoints,
+    problem,
+)
+from miles_core.rl.config import TrainConfig, load_config
 from miles_core.rl.loop import train
 from miles_core.rl.tensor_tree import TreeError, load_tree, save_tree
 
@@ -186,3 +192,14 @@ def test_a_full_disk_fails_in_one_line_and_leaves_nothing_half_written(tmp_path)
     assert "needs more than the" in full and "bytes that were free" in full and "previous checkpoint is intact" in full
     assert out["2"] == "ok"  # the next, smaller checkpoint still fits: nothing was left behind
     assert out["left"] == ["step_000000", "step_000002"]
+
+
+def test_a_setting_newer_than_the_checkpoint_resumes_only_at_its_default() -> None:
+    defaults = TrainConfig().to_dict()
+    current = load_config("tiny").to_dict()
+    older = json.loads(json.dumps(current))
+    del older["rollout"]["gdn_state_dtype"]  # written before the setting existed
+    check_resumable(older, current, defaults)
+    current["rollout"]["gdn_state_dtype"] = "bfloat16"
+    with pytest.raises(ConfigError, match=r"rollout\.gdn_state_dtype: checkpoint has None, now 'bfloat16'"):
+        check_resumable(older, current, defaults)

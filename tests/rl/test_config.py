@@ -44,6 +44,7 @@ def test_model_path_replaces_preset_model():
         ('orchestrator.kind="rey"', "orchestrator.kind: unknown orchestrator 'rey' (installed: inprocess, ray); did you mean 'ray'?"),
         ('run.trackers=["jsonl", "tensorbord"]', "run.trackers: unknown tracker 'tensorbord'"),
         ('run.trackers=["tensorboard"]', "run.trackers must include 'jsonl'"),
+        ('rollout.gdn_state_dtype="float16"', "rollout.gdn_state_dtype: Input should be 'float32' or 'bfloat16'"),
         ("rollout.concurrency=3", "rollout.concurrency is set: needs rollout.path = 'agentic' (rollout.path 'direct' does not use it)"),
         ("trainer.mtp_loss_coef=0.5", "trainer.mtp_loss_coef = 0.5 needs trainer.backend = 'megatron' (trainer.backend 'hf' does not use it)"),
         ("orchestrator.rollout_workers=2", "orchestrator.rollout_workers > 1 needs orchestrator.kind = 'ray'"),

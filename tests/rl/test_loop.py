@@ -171,3 +171,20 @@ def test_run_directory_rules(tmp_path):
     (runs / "latest").mkdir()
     with pytest.raises(ConfigError, match="latest is not a link"):
         choose_run_dir(config, resume=False)
+
+
+def test_the_engine_stores_gdn_states_as_the_rollout_section_says(miles_pm_factory, direct_overrides, monkeypatch):
+    from miles_core.engine.engine import Engine
+
+    built = []
+    real = Engine.from_pretrained
+
+    def recording(cls, *args, **kwargs):
+        engine = real(*args, **kwargs)
+        built.append(engine.runner_info()["gdn_state_dtype"])
+        return engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(recording))
+    config = load_config(overrides=[direct_overrides, {"run": {"steps": 1}, "rollout": {"gdn_state_dtype": "bfloat16"}}])
+    train(config, miles_pm_factory(builtins=True))
+    assert built == ["bfloat16"]

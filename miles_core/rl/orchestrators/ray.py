@@ -40,7 +40,7 @@ class EngineWorker:
         device = resolve_device(config.trainer.device)
         self.engine = Engine.from_pretrained(model_dir, EngineConfig(
             max_batch_size=engine_batch_size(config, num_prompts), dtype=config.model.dtype, device=str(device),
-            seed=config.run.seed, cpu_threads=config.run.torch_threads,
+            seed=config.run.seed, cpu_threads=config.run.torch_threads, gdn_state_dtype=config.rollout.gdn_state_dtype,
         ))
         self.config = config
         self.model_dir = model_dir
