@@ -138,6 +138,8 @@ class EngineConfig:
             raise ConfigError(f"overlap_steps must be true, false or unset, got {self.overlap_steps!r}")
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ConfigError(f"gdn_state_dtype must be one of {', '.join(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
+        if self.runner == "hf" and self.gdn_state_dtype != "float32":
+            raise ConfigError("gdn_state_dtype applies to the lean runner; runner 'hf' keeps the model's own cache")
         chunk = self.prefill_chunk_tokens
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1, got {chunk!r}")

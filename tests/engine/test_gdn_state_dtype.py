@@ -24,9 +24,11 @@ from miles_core.errors import ConfigError
 register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
 
-def test_the_config_names_the_field_and_the_choices() -> None:
+def test_the_config_names_the_field_the_choices_and_the_runner() -> None:
     with pytest.raises(ConfigError, match=r"gdn_state_dtype must be one of float32, bfloat16, got 'float16'"):
         EngineConfig(gdn_state_dtype="float16")
+    with pytest.raises(ConfigError, match="gdn_state_dtype applies to the lean runner"):
+        EngineConfig(gdn_state_dtype="bfloat16", runner="hf")
 
 
 def test_a_bf16_state_is_updated_in_fp32_and_rounded_once() -> None:
