@@ -280,7 +280,7 @@ def conv_prefill_packed(
 
 def chunk_prefill_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunk_prefill` on packed segments through fla: ``q``/``k`` ``[T, Hk, Dk]``, ``v``
     ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32. Returns the
@@ -301,7 +301,7 @@ def chunk_prefill(
     beta: torch.Tensor,
     state: torch.Tensor,
     packed_index: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule over right-padded segments.
@@ -316,14 +316,10 @@ def chunk_prefill(
     """
     if use_fla(q):
         def packed(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, *t.shape[2:])[packed_index][None]
+            return t.reshape(-1, *t.shape[2:])[packed_index]
 
-        out, final = require_fla_ops().chunk_gated_delta_rule(
-            q=packed(q), k=packed(k), v=packed(v), g=packed(g), beta=packed(beta),
-            scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **_cpu_seqlens(cu_seqlens_cpu),
-        )
-        return out[0], final.float()
+        return chunk_prefill_packed(packed(q), packed(k), packed(v), packed(g), packed(beta), state, cu_seqlens,
+                                    cu_seqlens_cpu)
     rep = v.shape[-2] // k.shape[-2]
     if rep > 1:  # value heads share key heads: expanded as transformers' layer does (its 5.17 rule needs it)
         q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)

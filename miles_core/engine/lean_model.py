@@ -676,41 +676,32 @@ class LeanModel:
     def _gdn_prefill(self, m: _GDN, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: SlotState,
                      batch: Prefill) -> torch.Tensor:
         """The causal conv and the chunked recurrence of the batch's segments (their rows' conv
-        windows and recurrent states updated); the recurrence's output ``[T, Hv, Dv]``."""
-        if self.packed_gdn_prefill:
-            return self._gdn_prefill_packed(m, qkv, beta, g, state, batch)
+        windows and recurrent states updated); the recurrence's output ``[T, Hv, Dv]``. Packed
+        through fla's variable-length kernels (:attr:`packed_gdn_prefill`), else right-padded."""
         conv_rows = state.conv[m.index]
-        out, window = gdn_ops.conv_prefill(
-            self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv_weight, m.conv_bias
-        )
-        conv_rows[batch.rows] = window
-        mixed = m.act(out)
-        mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)  # [S, L, C]
+        if self.packed_gdn_prefill:  # SiLU applied: the layers' activation (see unsupported_reason)
+            mixed, windows = gdn_ops.conv_prefill_packed(
+                qkv, conv_rows[batch.rows], m.conv_weight, m.conv_bias, batch.cu_seqlens, batch.cu_seqlens_cpu
+            )
+        else:
+            out, windows = gdn_ops.conv_prefill(
+                self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv_weight, m.conv_bias
+            )
+            mixed = m.act(out)
+            mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)  # [S, L, C]
+        conv_rows[batch.rows] = windows
         q, k, v = _split_qkv(m, mixed)
         recurrent = state.recurrent[m.index]
-        core, final = gdn_ops.chunk_prefill(
-            q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[batch.rows].float(), batch.packed_index,
-            batch.cu_seqlens, batch.cu_seqlens_cpu,
-        )
+        initial = recurrent[batch.rows].float()
+        if self.packed_gdn_prefill:
+            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu)
+        else:
+            core, final = gdn_ops.chunk_prefill(
+                q, k, v, self._pad(g, batch), self._pad(beta, batch), initial, batch.packed_index,
+                batch.cu_seqlens, batch.cu_seqlens_cpu,
+            )
         recurrent[batch.rows] = final.to(recurrent.dtype)
         return core
-
-    def _gdn_prefill_packed(self, m: _GDN, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                            state: SlotState, batch: Prefill) -> torch.Tensor:
-        """:meth:`_gdn_prefill` on the packed tokens (fla's variable-length kernels, no padding)."""
-        conv_rows = state.conv[m.index]
-        mixed, windows = gdn_ops.conv_prefill_packed(
-            qkv, conv_rows[batch.rows], m.conv_weight, m.conv_bias, batch.cu_seqlens, batch.cu_seqlens_cpu
-        )
-        conv_rows[batch.rows] = windows
-        q, k, v = _split_qkv(m, mixed)  # SiLU applied: the layers' activation (see unsupported_reason)
-        recurrent = state.recurrent[m.index]
-        core, final = gdn_ops.chunk_prefill_packed(
-            q, k, v, g, beta, recurrent[batch.rows].float(), batch.cu_seqlens, batch.cu_seqlens_cpu
-        )
-        recurrent[batch.rows] = final.to(recurrent.dtype)
-        return core
-
 
 def _no_mark(*tensors: torch.Tensor) -> None:
     """What the plain regions need instead of :func:`_batch_dynamic`: nothing."""
