@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels of the lean forward: batched decode step and padded chunked prefill.
+"""Gated DeltaNet kernels of the lean forward: batched decode step and chunked prefill (packed or padded).
 
 Decode (one token per row) updates the rows' causal-conv windows and recurrent states *in place*
 (``conv`` ``[n, kernel, channels]``, ``state`` ``[n, v_heads, k_dim, v_dim]``, views of the
