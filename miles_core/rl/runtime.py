@@ -33,6 +33,7 @@ from miles_core.rl.trainers.base import Trainer, TrainerBackend
 if TYPE_CHECKING:
     import torch
 
+    from miles_core.engine.engine import EngineConfig
     from miles_core.rl.rollout.direct import DirectRollout
 
 
@@ -87,9 +88,17 @@ def resolve_device(setting: str) -> torch.device:
 MAX_ENGINE_BATCH = 1024
 
 
-def engine_batch_size(config: TrainConfig, num_prompts: int) -> int:
+def engine_config(config: TrainConfig, num_prompts: int, device: str) -> EngineConfig:
+    """The embedded engine's settings for a run, in this process or in a Ray actor: room for a
+    step's samples (or every prompt, for evaluation) in one batch."""
+    from miles_core.engine.engine import EngineConfig
+
     per_step = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
-    return max(1, min(MAX_ENGINE_BATCH, max(per_step, num_prompts)))
+    return EngineConfig(
+        max_batch_size=max(1, min(MAX_ENGINE_BATCH, max(per_step, num_prompts))), dtype=config.model.dtype,
+        device=device, seed=config.run.seed, cpu_threads=config.run.torch_threads,
+        gdn_state_dtype=config.rollout.gdn_state_dtype,
+    )
 
 
 @dataclass
@@ -136,7 +145,7 @@ def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -
     """Trainer first (it refuses unsafe models before anything else starts), then the engine."""
     import torch
 
-    from miles_core.engine.engine import Engine, EngineConfig
+    from miles_core.engine.engine import Engine
     from miles_core.rl.rollout.direct import DirectRollout
 
     torch.set_num_threads(config.run.torch_threads)
@@ -151,17 +160,7 @@ def build_inprocess(config: TrainConfig, pm: MilesPluginManager, parts: Parts) -
         # the reward sandbox starts on the background loop while the engine loads
         rewards = RewardRunner(parts.task.reward, config.reward, pm, aio)
         closers.append(rewards.close)
-        engine = Engine.from_pretrained(
-            model_dir,
-            EngineConfig(
-                max_batch_size=engine_batch_size(config, len(parts.task.prompts)),
-                dtype=config.model.dtype,
-                device=str(device),
-                seed=config.run.seed,
-                cpu_threads=config.run.torch_threads,
-                gdn_state_dtype=config.rollout.gdn_state_dtype,
-            ),
-        )
+        engine = Engine.from_pretrained(model_dir, engine_config(config, len(parts.task.prompts), str(device)))
         closers.append(engine.close)
         rollout = parts.rollout.start(RolloutContext(config, parts.task, engine, tokenizer, model_dir, aio, pm))
         closers.append(rollout.close)

@@ -22,7 +22,7 @@ from miles_core.rl.config import TrainConfig
 from miles_core.rl.orchestrators.fingerprint import FingerprintMismatch, check_fingerprint
 from miles_core.rl.rewards import RewardRunner
 from miles_core.rl.rollout.types import Trajectory
-from miles_core.rl.runtime import Parts, Runtime, engine_batch_size, model_directory, resolve_task
+from miles_core.rl.runtime import Parts, Runtime, engine_config, model_directory, resolve_task
 from miles_core.rl.tasks import Prompt
 
 
@@ -32,16 +32,13 @@ class EngineWorker:
     def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any], num_prompts: int) -> None:
         import torch
 
-        from miles_core.engine.engine import Engine, EngineConfig
+        from miles_core.engine.engine import Engine
         from miles_core.rl.runtime import resolve_device
 
         check_fingerprint(expected, "engine")
         torch.set_num_threads(config.run.torch_threads)
         device = resolve_device(config.trainer.device)
-        self.engine = Engine.from_pretrained(model_dir, EngineConfig(
-            max_batch_size=engine_batch_size(config, num_prompts), dtype=config.model.dtype, device=str(device),
-            seed=config.run.seed, cpu_threads=config.run.torch_threads, gdn_state_dtype=config.rollout.gdn_state_dtype,
-        ))
+        self.engine = Engine.from_pretrained(model_dir, engine_config(config, num_prompts, str(device)))
         self.config = config
         self.model_dir = model_dir
         self._stack: Any = None
