@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from miles_core.engine import gdn_ops
 from miles_core.engine.state import SlotState, StateShapes
 
+#: the longest segment a packed prefill runs through fla's recurrent kernel (see
+#: :attr:`LeanModel.recurrent_prefill_width`)
+RECURRENT_PREFILL_WIDTH = 0
 _STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
 _ARCHITECTURES = {
     # class name -> (decoder layer class, attention class, GDN class, MLP class, zero-centred norms, gated attention)
@@ -447,6 +450,9 @@ class LeanModel:
         #: GDN prefill over the packed tokens through fla's variable-length conv and chunk kernels
         #: (no padding, ~25 fewer launches a layer); otherwise right-padded segments
         self.packed_gdn_prefill = self.fla_step is not None and gdn_ops.fla_conv() is not None
+        #: packed prefills whose segments are all at most this long run the GDN recurrence through
+        #: fla's recurrent kernel (one launch a layer) instead of its chunked one
+        self.recurrent_prefill_width = RECURRENT_PREFILL_WIDTH
         self.fuse_norms(on_accelerator)
         self.regions = _PLAIN
 
@@ -693,7 +699,9 @@ class LeanModel:
         q, k, v = _split_qkv(m, mixed)
         recurrent = state.recurrent[m.index]
         initial = recurrent[batch.rows].float()
-        if self.packed_gdn_prefill:
+        if self.packed_gdn_prefill and batch.width <= self.recurrent_prefill_width:
+            core, final = gdn_ops.recurrent_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens)
+        elif self.packed_gdn_prefill:
             core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu)
         else:
             core, final = gdn_ops.chunk_prefill(

@@ -168,10 +168,15 @@ def test_kv_growth_while_decoding_recaptures_the_graphs(cache, overlap_steps: bo
     assert tokens(cuda_graphs=True) == tokens(cuda_graphs=False)
 
 
-def test_packed_gdn_prefill_equals_the_padded_one(cache) -> None:
-    """fla's variable-length conv over the packed tokens against the padded torch conv (fla's chunk
-    kernel on both sides), prompts prefilled in two chunks: the conv windows are copies of inputs
-    (equal), and the logits agree to fp32 rounding carried through one forward (tf32 inside fla)."""
+@pytest.mark.parametrize("recurrent_width", [0, 64])
+def test_packed_gdn_prefill_equals_the_padded_one(cache, recurrent_width: int) -> None:
+    """fla's variable-length conv over the packed tokens against the padded torch conv, prompts
+    prefilled in two chunks, the recurrence through fla's chunk kernel on both sides
+    (``recurrent_width=0``) or, packed, through its recurrent kernel (every segment here is <= 64
+    tokens): the conv windows are copies of inputs (equal), and the logits agree to fp32 rounding
+    carried through one forward (tf32 inside fla's chunk kernel). The recurrent kernel computes in
+    fp32 throughout, so its states differ from the chunked ones by the chunk kernel's tf32 rounding:
+    2 ** -11 relative per operand, twice per product (rtol 2e-3)."""
     from miles_core.engine import gdn_ops
     from miles_core.engine.lean_model import LeanModel
     from miles_core.engine.loader import load_model
@@ -186,6 +191,7 @@ def test_packed_gdn_prefill_equals_the_padded_one(cache) -> None:
         lean = LeanModel(model, max_model_len=256, max_rows=4)
         assert lean.packed_gdn_prefill
         lean.packed_gdn_prefill = packed
+        lean.recurrent_prefill_width = recurrent_width if packed else 0
         state = SlotState(lean.state_shapes(), max_slots=4, staging=0, max_model_len=256, dtype=torch.float32,
                           device=torch.device("cuda"), keys_transposed=False)
         logits = []
@@ -202,4 +208,7 @@ def test_packed_gdn_prefill_equals_the_padded_one(cache) -> None:
     assert torch.equal(a.conv, b.conv)
     for x, y in zip(packed, padded):
         assert (x.log_softmax(-1) - y.log_softmax(-1)).abs().max() <= logprob_tolerance("cuda")
-    torch.testing.assert_close(a.recurrent, b.recurrent, rtol=1e-3, atol=1e-4)
+    if recurrent_width:
+        torch.testing.assert_close(a.recurrent, b.recurrent, rtol=2e-3, atol=2e-4)
+    else:
+        torch.testing.assert_close(a.recurrent, b.recurrent, rtol=1e-3, atol=1e-4)

@@ -98,12 +98,24 @@ class _FlaStandIn:
 
     def fused_recurrent_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
                                          use_qk_l2norm_in_kernel, cu_seqlens=None):
-        assert scale == k.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel and cu_seqlens is None
-        assert initial_state.dtype == torch.float32 and initial_state.shape[0] == q.shape[0]
-        self.calls.append("recurrent")
+        assert scale == k.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel
+        assert initial_state.dtype == torch.float32
         q, k = _grouped_value_heads(q, k, v)
-        return self.recurrent(q, k, v, g=g, beta=beta, initial_state=initial_state.clone(), output_final_state=True,
-                              use_qk_l2norm_in_kernel=True)
+        if cu_seqlens is None:  # decode: one token for each of a batch of rows
+            assert initial_state.shape[0] == q.shape[0]
+            self.calls.append("recurrent")
+            return self.recurrent(q, k, v, g=g, beta=beta, initial_state=initial_state.clone(), output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+        assert q.shape[0] == 1 and len(cu_seqlens) - 1 == initial_state.shape[0]  # packed segments
+        self.calls.append("recurrent packed")
+        outs, finals = [], []
+        for i, (start, end) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
+            o, f = self.recurrent(q[:, start:end], k[:, start:end], v[:, start:end], g=g[:, start:end],
+                                  beta=beta[:, start:end], initial_state=initial_state[i : i + 1].clone(),
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, dim=1), torch.cat(finals)
 
     def chunk_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu=None):
@@ -176,6 +188,34 @@ def test_packed_gdn_prefill_through_fla_equals_the_torch_kernels(tiny_model, mon
     packed = _run(tiny_model, chunk=24)  # prompts of 70 and 33 tokens: continuations from stored windows
     assert {"conv", "chunk", "recurrent"} <= set(stand_in.calls)
     assert _close(packed, reference) <= 1e-5
+
+
+def test_short_segments_prefill_through_fla_recurrent_kernel(tiny_model, monkeypatch) -> None:
+    """Packed prefills whose segments are all at most ``recurrent_prefill_width`` long run the
+    recurrence token by token (fla's recurrent kernel over the packed segments, each from its row's
+    state), longer ones chunked: both give the CPU path's logits, continuations included."""
+    from miles_core.engine import lean_model
+
+    reference = _run(tiny_model, chunk=24)
+    stand_in = _use_fla_stand_in(monkeypatch)
+    monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
+    monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", 30)
+    recurrent = _run(tiny_model, chunk=24)  # every batch <= 24 tokens wide
+    assert "recurrent packed" in stand_in.calls and "chunk" not in stand_in.calls
+    assert _close(recurrent, reference) <= 1e-5
+    stand_in.calls.clear()
+    mixed = _run(tiny_model, chunk=40)  # the first batch is 40 wide (chunked), the continuation 30 (recurrent)
+    assert {"recurrent packed", "chunk"} <= set(stand_in.calls)
+    assert _close(mixed, _run_reference(tiny_model, monkeypatch, chunk=40)) <= 1e-5
+
+
+def _run_reference(model, monkeypatch: pytest.MonkeyPatch, **kw) -> list[torch.Tensor]:
+    """:func:`_run` on the CPU kernels, whatever the test routed to a stand-in."""
+    with monkeypatch.context() as m:
+        m.setattr(gdn_ops, "fla_ops", lambda: None)
+        m.setattr(gdn_ops, "use_fla", lambda t: False)
+        m.setattr(gdn_ops, "fla_conv", lambda: None)
+        return _run(model, **kw)
 
 
 def test_the_torch_chunk_rule_is_transformers_own_function_not_its_binding() -> None:
