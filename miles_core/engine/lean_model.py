@@ -28,9 +28,16 @@ import torch.nn.functional as F
 from miles_core.engine import gdn_ops
 from miles_core.engine.state import SlotState, StateShapes
 
-#: the longest segment a packed prefill runs through fla's recurrent kernel (see
-#: :attr:`LeanModel.recurrent_prefill_width`)
-RECURRENT_PREFILL_WIDTH = 0
+#: a packed prefill runs the GDN recurrence through fla's recurrent kernel when its segments are at
+#: most this long and it has at most RECURRENT_PREFILL_TOKENS tokens (see
+#: :attr:`LeanModel.recurrent_prefill_width`). H100, one layer, 64 segments: the recurrent kernel
+#: wins at 16-48 tokens (0.58 vs 0.87 ms wall: one launch against the chunked form's seven, whose
+#: host time bounds it) and loses from ~100 tokens on (2.36 vs 2.24 ms at 100-300, 9.4 vs 2.7 ms at
+#: 500-1500).
+RECURRENT_PREFILL_WIDTH = 64
+#: the recurrent kernel took 0.35 ms of GPU time for those 2,110 tokens; at worst linear in tokens it
+#: stays under the chunked form's 0.86 ms of host time up to ~5k tokens
+RECURRENT_PREFILL_TOKENS = 4096
 _STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
 _ARCHITECTURES = {
     # class name -> (decoder layer class, attention class, GDN class, MLP class, zero-centred norms, gated attention)
@@ -450,9 +457,11 @@ class LeanModel:
         #: GDN prefill over the packed tokens through fla's variable-length conv and chunk kernels
         #: (no padding, ~25 fewer launches a layer); otherwise right-padded segments
         self.packed_gdn_prefill = self.fla_step is not None and gdn_ops.fla_conv() is not None
-        #: packed prefills whose segments are all at most this long run the GDN recurrence through
-        #: fla's recurrent kernel (one launch a layer) instead of its chunked one
+        #: packed prefills whose segments are all at most this long (and that have at most
+        #: ``recurrent_prefill_tokens`` tokens) run the GDN recurrence through fla's recurrent kernel
+        #: (one launch a layer) instead of its chunked one
         self.recurrent_prefill_width = RECURRENT_PREFILL_WIDTH
+        self.recurrent_prefill_tokens = RECURRENT_PREFILL_TOKENS
         self.fuse_norms(on_accelerator)
         self.regions = _PLAIN
 
@@ -699,7 +708,9 @@ class LeanModel:
         q, k, v = _split_qkv(m, mixed)
         recurrent = state.recurrent[m.index]
         initial = recurrent[batch.rows].float()
-        if self.packed_gdn_prefill and batch.width <= self.recurrent_prefill_width:
+        recurrent_kernel = (batch.width <= self.recurrent_prefill_width
+                            and batch.ids.shape[0] <= self.recurrent_prefill_tokens)
+        if self.packed_gdn_prefill and recurrent_kernel:
             core, final = gdn_ops.recurrent_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens)
         elif self.packed_gdn_prefill:
             core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu)

@@ -182,9 +182,12 @@ def _fla_conv_stand_in(calls: list[str]):
 def test_packed_gdn_prefill_through_fla_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
     """With fla's conv importable the GDN prefill stays packed (no padding): the conv windows go to
     fla channels-first and come back, and every step's logits equal the padded CPU path's."""
+    from miles_core.engine import lean_model
+
     reference = _run(tiny_model, chunk=24)
     stand_in = _use_fla_stand_in(monkeypatch)
     monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
+    monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", 0)  # the chunked form for every batch
     packed = _run(tiny_model, chunk=24)  # prompts of 70 and 33 tokens: continuations from stored windows
     assert {"conv", "chunk", "recurrent"} <= set(stand_in.calls)
     assert _close(packed, reference) <= 1e-5
@@ -207,6 +210,12 @@ def test_short_segments_prefill_through_fla_recurrent_kernel(tiny_model, monkeyp
     mixed = _run(tiny_model, chunk=40)  # the first batch is 40 wide (chunked), the continuation 30 (recurrent)
     assert {"recurrent packed", "chunk"} <= set(stand_in.calls)
     assert _close(mixed, _run_reference(tiny_model, monkeypatch, chunk=40)) <= 1e-5
+    stand_in.calls.clear()
+    monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_TOKENS", 40)
+    capped = _run(tiny_model, chunk=24)  # 52 tokens first (chunked), then 33 and 22 (recurrent)
+    kernels = [c for c in stand_in.calls if c in ("chunk", "recurrent packed")]
+    assert kernels == sorted(kernels) and {"chunk", "recurrent packed"} <= set(kernels)  # chunked, then recurrent
+    assert _close(capped, reference) <= 1e-5
 
 
 def _run_reference(model, monkeypatch: pytest.MonkeyPatch, **kw) -> list[torch.Tensor]:
