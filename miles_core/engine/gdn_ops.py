@@ -301,7 +301,7 @@ def recurrent_prefill_packed(
     """:func:`chunk_prefill_packed` through fla's fused recurrent kernel (same arguments and
     results): one launch for the whole batch, in which each (segment, head) program runs its
     segment's tokens one after another with the state in registers, as decode does one token. For
-    short segments this beats the chunked form, whose half-dozen kernels each cost more host time to
+    short segments this beats the chunked form, whose seven kernels each cost more host time to
     launch than the recurrence costs the GPU (see :attr:`LeanModel.recurrent_prefill_width`)."""
     out, final = require_fla_ops().fused_recurrent_gated_delta_rule(
         q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
