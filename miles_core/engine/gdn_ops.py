@@ -10,8 +10,8 @@ of transformers' ``torch_recurrent_gated_delta_rule`` (the reference the engine 
 against).
 
 Prefill runs a batch of segments. With fla on CUDA they stay packed (:func:`conv_prefill_packed`,
-:func:`chunk_prefill_packed`, or :func:`recurrent_prefill_packed` for short segments: fla's
-variable-length kernels, one initial state per segment);
+:func:`chunk_prefill_packed`, chunked or, for short segments, recurrent: fla's variable-length
+kernels, one initial state per segment);
 otherwise they are right-padded to a common length. Padding positions get
 ``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state a segment ends with is
 exactly the state after its last real token, whatever the padding; the causal convolution cannot
@@ -281,31 +281,26 @@ def conv_prefill_packed(
 
 def chunk_prefill_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, *, recurrent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunk_prefill` on packed segments through fla: ``q``/``k`` ``[T, Hk, Dk]``, ``v``
     ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32. Returns the
-    output ``[T, Hv, Dv]`` and the final states ``[S, Hv, Dk, Dv]`` (fp32)."""
-    out, final = require_fla_ops().chunk_gated_delta_rule(
-        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
-        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-        **_cpu_seqlens(cu_seqlens_cpu),
+    output ``[T, Hv, Dv]`` and the final states ``[S, Hv, Dk, Dv]`` (fp32).
+
+    ``recurrent``: through fla's fused recurrent kernel instead of its chunked one: one launch for
+    the whole batch, in which each (segment, head) program runs its segment's tokens one after
+    another with the state in registers, as decode does one token. For short segments this beats
+    the chunked form, whose seven kernels each cost more host time to launch than the recurrence
+    costs the GPU (see :attr:`LeanModel.recurrent_prefill_width`)."""
+    ops = require_fla_ops()
+    rule, host_seqlens = (
+        (ops.fused_recurrent_gated_delta_rule, {}) if recurrent
+        else (ops.chunk_gated_delta_rule, _cpu_seqlens(cu_seqlens_cpu))
     )
-    return out[0], final.float()
-
-
-def recurrent_prefill_packed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_prefill_packed` through fla's fused recurrent kernel (same arguments and
-    results): one launch for the whole batch, in which each (segment, head) program runs its
-    segment's tokens one after another with the state in registers, as decode does one token. For
-    short segments this beats the chunked form, whose seven kernels each cost more host time to
-    launch than the recurrence costs the GPU (see :attr:`LeanModel.recurrent_prefill_width`)."""
-    out, final = require_fla_ops().fused_recurrent_gated_delta_rule(
+    out, final = rule(
         q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
         initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        **host_seqlens,
     )
     return out[0], final.float()
 

@@ -708,12 +708,11 @@ class LeanModel:
         q, k, v = _split_qkv(m, mixed)
         recurrent = state.recurrent[m.index]
         initial = recurrent[batch.rows].float()
-        recurrent_kernel = (batch.width <= self.recurrent_prefill_width
-                            and batch.ids.shape[0] <= self.recurrent_prefill_tokens)
-        if self.packed_gdn_prefill and recurrent_kernel:
-            core, final = gdn_ops.recurrent_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens)
-        elif self.packed_gdn_prefill:
-            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu)
+        if self.packed_gdn_prefill:
+            recurrent_kernel = (batch.width <= self.recurrent_prefill_width
+                                and batch.ids.shape[0] <= self.recurrent_prefill_tokens)
+            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu,
+                                                       recurrent=recurrent_kernel)
         else:
             core, final = gdn_ops.chunk_prefill(
                 q, k, v, self._pad(g, batch), self._pad(beta, batch), initial, batch.packed_index,

@@ -199,7 +199,7 @@ def test_short_segments_prefill_through_fla_recurrent_kernel(tiny_model, monkeyp
     state), longer ones chunked: both give the CPU path's logits, continuations included."""
     from miles_core.engine import lean_model
 
-    reference = _run(tiny_model, chunk=24)
+    reference, reference_40 = _run(tiny_model, chunk=24), _run(tiny_model, chunk=40)
     stand_in = _use_fla_stand_in(monkeypatch)
     monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
     monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", 30)
@@ -209,22 +209,13 @@ def test_short_segments_prefill_through_fla_recurrent_kernel(tiny_model, monkeyp
     stand_in.calls.clear()
     mixed = _run(tiny_model, chunk=40)  # the first batch is 40 wide (chunked), the continuation 30 (recurrent)
     assert {"recurrent packed", "chunk"} <= set(stand_in.calls)
-    assert _close(mixed, _run_reference(tiny_model, monkeypatch, chunk=40)) <= 1e-5
+    assert _close(mixed, reference_40) <= 1e-5
     stand_in.calls.clear()
     monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_TOKENS", 40)
     capped = _run(tiny_model, chunk=24)  # 52 tokens first (chunked), then 33 and 22 (recurrent)
     kernels = [c for c in stand_in.calls if c in ("chunk", "recurrent packed")]
     assert kernels == sorted(kernels) and {"chunk", "recurrent packed"} <= set(kernels)  # chunked, then recurrent
     assert _close(capped, reference) <= 1e-5
-
-
-def _run_reference(model, monkeypatch: pytest.MonkeyPatch, **kw) -> list[torch.Tensor]:
-    """:func:`_run` on the CPU kernels, whatever the test routed to a stand-in."""
-    with monkeypatch.context() as m:
-        m.setattr(gdn_ops, "fla_ops", lambda: None)
-        m.setattr(gdn_ops, "use_fla", lambda t: False)
-        m.setattr(gdn_ops, "fla_conv", lambda: None)
-        return _run(model, **kw)
 
 
 def test_the_torch_chunk_rule_is_transformers_own_function_not_its_binding() -> None:
