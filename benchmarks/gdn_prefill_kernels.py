@@ -1,14 +1,16 @@
-"""fla's two ways to run a packed GDN prefill's recurrence, side by side (what sets the engine's
+"""Ways to run a packed GDN prefill's recurrence, side by side (what sets the engine's
 ``RECURRENT_PREFILL_WIDTH`` / ``RECURRENT_PREFILL_TOKENS``).
 
 For 64 segments of each length range (``--ranges``), one layer at the ``small-gpu`` preset's GDN
 shape, packed with ``cu_seqlens`` and one fp32 initial state per segment, the same inputs go to
-fla's chunked kernel (``chunk_gated_delta_rule``, the peer: what fla recommends for prefill) and
-to its fused recurrent kernel (``fused_recurrent_gated_delta_rule``), alternated call by call.
-One JSON line per range: the median host time of a call (to return), its wall time (to a sync)
-and its GPU time (20 calls queued behind a sleep kernel, so the host cannot be the bound), for
-each kernel; ``ratio`` = recurrent wall / chunked wall (below 1: the recurrent kernel is faster);
-and the largest differences of outputs and final states between the two. Needs CUDA and fla.
+fla's chunked kernel (``chunk_gated_delta_rule``, the peer: what fla recommends for prefill), to
+fla's fused recurrent kernel as the engine launches it (``recurrent``: the states updated in
+place, the engine's value tile), and through fla's public recurrent entry point (``fla_recurrent``:
+a new final state, fla's tile), alternated call by call. One JSON line per range: the median host
+time of a call (to return), its wall time (to a sync) and its GPU time (20 calls queued behind a
+sleep kernel, so the host cannot be the bound), for each; ``ratio`` = the engine's recurrent wall /
+chunked wall (below 1: the recurrent kernel is faster); and the largest differences of outputs
+and final states between the chunked and the engine's recurrent run. Needs CUDA and fla.
 
     python benchmarks/gdn_prefill_kernels.py [--ranges 16-48 100-300 500-1500] [--segments 64]
 """
@@ -66,6 +68,8 @@ def _gpu_ms(fn: Callable[[], Any], calls: int) -> float:
 def measure(lo: int, hi: int, args: argparse.Namespace) -> dict[str, Any]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+    from miles_core.engine import gdn_ops
+
     rng = random.Random(args.seed)
     lengths = [rng.randint(lo, hi) for _ in range(args.segments)]
     tokens = sum(lengths)
@@ -85,10 +89,16 @@ def measure(lo: int, hi: int, args: argparse.Namespace) -> dict[str, Any]:
     def chunked() -> tuple[torch.Tensor, torch.Tensor]:
         return chunk_gated_delta_rule(**common, cu_seqlens_cpu=cu_seqlens_cpu)
 
-    def recurrent() -> tuple[torch.Tensor, torch.Tensor]:
+    step = gdn_ops.fla_recurrent_step()
+    states = initial.clone()
+
+    def recurrent() -> tuple[torch.Tensor, torch.Tensor]:  # the timed calls keep updating one set of states
+        return step(q[0], k[0], v[0], g[0], beta[0], states, cu_seqlens), states
+
+    def fla_recurrent() -> tuple[torch.Tensor, torch.Tensor]:
         return fused_recurrent_gated_delta_rule(**common)
 
-    kernels = {"chunk": chunked, "recurrent": recurrent}
+    kernels = {"chunk": chunked, "recurrent": recurrent, "fla_recurrent": fla_recurrent}
     for fn in kernels.values():  # compile and warm both before any timing
         for _ in range(3):
             fn()
@@ -99,6 +109,7 @@ def measure(lo: int, hi: int, args: argparse.Namespace) -> dict[str, Any]:
             samples[name]["host"].append(host)
             samples[name]["wall"].append(wall)
             samples[name]["gpu"].append(_gpu_ms(fn, args.calls))
+    states.copy_(initial)
     (out_c, final_c), (out_r, final_r) = chunked(), recurrent()
     torch.cuda.synchronize()
     result: dict[str, Any] = {"benchmark": "gdn_prefill_kernels", "segments": args.segments, "lengths": f"{lo}-{hi}",

@@ -9,10 +9,10 @@ recurrent update is fla's fused kernel; elsewhere it is written out in torch wit
 of transformers' ``torch_recurrent_gated_delta_rule`` (the reference the engine is tested
 against).
 
-Prefill runs a batch of segments. With fla on CUDA they stay packed (:func:`conv_prefill_packed`,
-:func:`chunk_prefill_packed`, chunked or, for short segments, recurrent: fla's variable-length
-kernels, one initial state per segment);
-otherwise they are right-padded to a common length. Padding positions get
+Prefill runs a batch of segments. With fla on CUDA they stay packed: the conv gathers each
+token's inputs (:func:`conv_prefill_taps`), the recurrence runs through fla's variable-length
+kernels (:func:`chunk_prefill_packed`, or for short segments :func:`fla_recurrent_step` with
+``cu_seqlens``), one initial state per segment; otherwise they are right-padded to a common length. Padding positions get
 ``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state a segment ends with is
 exactly the state after its last real token, whatever the padding; the causal convolution cannot
 see padding to the right of a token. Each segment starts from its row's state (zero for a fresh
@@ -116,8 +116,9 @@ def conv_prefill(
     return out, full.gather(1, index).to(conv.dtype)
 
 
-#: ``(q, k, v, g, beta, state) -> out``: one recurrent step, ``state`` updated in place
-FlaStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``(q, k, v, g, beta, state, cu_seqlens=None) -> out``: the recurrence over one token per row
+#: (decode) or over packed segments (``cu_seqlens``), ``state`` (one per row or segment) updated in place
+FlaStep = Callable[..., torch.Tensor]
 
 
 def recurrent_decode(
@@ -152,55 +153,70 @@ def recurrent_decode(
 
 
 def fla_recurrent_step() -> FlaStep:
-    """fla's recurrent decode step, resolved once (the engine's forward calls the result inside a
-    CUDA graph or a compiled region, where no lookup should run): in place when fla's kernel takes
-    the parameters this module passes, else through fla's public entry point."""
+    """fla's recurrent kernel as the engine calls it, resolved once (the engine's forward calls the
+    result inside a CUDA graph or a compiled region, where no lookup should run): in place when
+    fla's kernel takes the parameters this module passes, else through fla's public entry point."""
     require_fla_ops()
     kernel = _fla_recurrent_kernel()
-    return _fla_entry_point_decode if kernel is None else functools.partial(_fla_in_place_decode, kernel)
+    return _fla_entry_point if kernel is None else functools.partial(_fla_in_place, kernel)
 
 
-def _fla_in_place_decode(
+#: value-axis tile and warps of fla's recurrent kernel: ``(block_v, num_warps)``, for a decode step
+#: (one token per row) and for a packed prefill. Each program keeps one ``[Dk, block_v]`` tile of one
+#: row's state in registers. H100, small-gpu shape, fp32 state (2026-12-06, tiles 8-128 x 1-8 warps):
+#: decode at batch 64 [K, 32] with two warps 52 us a layer (128-byte rows of state per load), fla's
+#: own [K, 8] with one warp 61 us, an in-place multiply of the same state 48 us; a prefill of 64
+#: segments of 16-48 tokens [K, 16] with one warp 0.26 ms, [K, 32] x 2 0.32 ms, fla's 0.36 ms (the
+#: same order at 256 segments, at 100-300 tokens and with bf16 states): a program walks its segment
+#: token by token, and narrower tiles put more programs on the machine for that serial walk.
+DECODE_TILE = (32, 2)
+PREFILL_TILE = (16, 1)
+
+
+def _fla_in_place(
     kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor,
+    state: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not state.is_contiguous():
-        return _fla_entry_point_decode(q, k, v, g, beta, state)
+        return _fla_entry_point(q, k, v, g, beta, state, cu_seqlens)
     # fla's kernel with the state as both its initial and its final state: each program loads one
-    # [K, BV] tile of one row's state, runs the step and stores the tile where it read it, and no
-    # two programs share a tile, so updating in place is exact and moves the state once (the state
-    # is most of a decode step's memory traffic: 18 MB per row in the small-gpu preset).
-    # Tiles of [K, 32] with two warps: 128-byte rows of state per load; on an H100 at the small-gpu
-    # shape (batch 64) 52 us a layer against 61 us for fla's own [K, 8] with one warp, and 48 us
-    # for an in-place multiply of the same state (best of BV 8-64 x 1-8 warps, measured 2026-12-06)
-    n, hk, dk = k.shape
+    # [K, BV] tile of one row's (or segment's) state, runs its tokens and stores the tile where it
+    # read it, and no two programs share a tile, so updating in place is exact and moves the state
+    # once (the state is most of a decode step's memory traffic: 18 MB per row in small-gpu)
+    tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
-    block_v = min(32, 1 << (dv - 1).bit_length())
-    out = torch.empty((n, hv, dv), dtype=v.dtype, device=v.device)
-    kernel[(-(-dv // block_v) * n * hv,)](
+    sequences = tokens if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    block_v, warps = DECODE_TILE if cu_seqlens is None else PREFILL_TILE
+    block_v = min(block_v, 1 << (dv - 1).bit_length())
+    out = torch.empty((tokens, hv, dv), dtype=v.dtype, device=v.device)
+    kernel[(-(-dv // block_v) * sequences * hv,)](
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), gk=None, gv=None,
-        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=state, ht=state, cu_seqlens=None,
-        scale=dk**-0.5, T=1, H=hk, HV=hv, K=dk, V=dv, BK=1 << (dk - 1).bit_length(), BV=block_v,
-        IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
-        STATE_V_FIRST=False, num_warps=2, num_stages=1,
+        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=state, ht=state, cu_seqlens=cu_seqlens,
+        scale=dk**-0.5, T=1 if cu_seqlens is None else tokens, H=hk, HV=hv, K=dk, V=dv,
+        BK=1 << (dk - 1).bit_length(), BV=block_v, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
+        APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=warps, num_stages=1,
     )
     return out
 
 
-def _fla_entry_point_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+def _fla_entry_point(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same step through fla's public entry point, which returns a new final state (one more
-    read and write of every state); the arguments transformers' GDN layer passes it."""
+    """The same recurrence through fla's public entry point, which returns a new final state (one
+    more read and write of every state); the arguments transformers' GDN layer passes it. Decode
+    runs a batch of one-token sequences, a prefill one packed sequence of segments."""
+    unsqueeze = (lambda t: t[:, None]) if cu_seqlens is None else (lambda t: t[None])
     out, final = require_fla_ops().fused_recurrent_gated_delta_rule(
-        q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
-        scale=k.shape[-1] ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        q=unsqueeze(q), k=unsqueeze(k), v=unsqueeze(v), g=unsqueeze(g), beta=unsqueeze(beta),
+        scale=k.shape[-1] ** -0.5, initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}),
     )
     state.copy_(final)
-    return out[:, 0]
+    return out[:, 0] if cu_seqlens is None else out[0]
 
 
-#: the parameters of fla's recurrent forward kernel the in-place decode passes (fla 0.6)
+#: the parameters of fla's recurrent forward kernel the in-place step passes (fla 0.6)
 _KERNEL_PARAMETERS = frozenset({
     "q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens", "scale", "T", "H",
     "HV", "K", "V", "BK", "BV", "IS_BETA_HEADWISE", "USE_QK_L2NORM_IN_KERNEL", "APPLY_BETA_SIGMOID",
@@ -240,67 +256,51 @@ def torch_chunk_size(width: int) -> int:
     return 16 if width <= 128 else 32 if width <= 512 else 64
 
 
-#: the parameters of fla's causal conv that :func:`conv_prefill_packed` passes (fla 0.6)
-_CONV_PARAMETERS = frozenset({"initial_state", "output_final_state", "activation", "cu_seqlens", "cu_seqlens_cpu"})
+def conv_taps(cu_seqlens: torch.Tensor, tokens: int, kernel: int) -> torch.Tensor:
+    """Where each packed token's ``kernel`` conv inputs (oldest first) sit in ``cat([windows.flatten(0,
+    1), x])``: ``[T, kernel]`` indices, for segments ``cu_seqlens`` ``[S + 1]`` of ``tokens`` (``T``)
+    new inputs ``x`` ``[T, C]`` continuing the rows' stored windows ``[S, kernel, C]``. Input ``p``
+    of segment ``s`` is ``x[cu[s] + p]``, or ``windows[s, kernel + p]`` before the segment (``p < 0``).
+    A segment's new window is its last token's taps."""
+    device = cu_seqlens.device
+    segments = cu_seqlens.shape[0] - 1
+    segment = torch.repeat_interleave(torch.arange(segments, device=device), cu_seqlens.diff(), output_size=tokens)
+    first = cu_seqlens[segment][:, None]  # [T, 1]: each token's segment start
+    p = torch.arange(tokens, device=device)[:, None] - first - (kernel - 1) + torch.arange(kernel, device=device)
+    return torch.where(p >= 0, segments * kernel + first + p, segment[:, None] * kernel + kernel + p)
 
 
-@functools.cache
-def fla_conv() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None:
-    """fla's variable-length causal conv (``fla.modules.causal_conv1d``) when it imports and takes
-    the parameters this module passes, else ``None`` (the prefill then pads its segments)."""
-    try:
-        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-    except (ImportError, AttributeError):
-        return None
-    return conv if set(inspect.signature(conv).parameters) >= _CONV_PARAMETERS else None
-
-
-def conv_prefill_packed(
-    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+def conv_prefill_taps(
+    x: torch.Tensor, windows: torch.Tensor, taps: torch.Tensor, window_taps: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`conv_prefill` followed by SiLU, on packed segments, through fla's kernel: ``x``
-    ``[T, C]`` (segment ``i`` is ``x[cu_seqlens[i]:cu_seqlens[i + 1]]``), ``windows`` ``[S, K, C]``.
-
-    Returns the activated output ``[T, C]`` in ``x``'s dtype and the new windows ``[S, K, C]``.
-    fla keeps a segment's window channels-first (``[S, C, K]``, newest input last); like
-    :func:`conv_prefill` it sums the ``K`` products oldest first in fp32, adds the bias, applies
-    SiLU in fp32 and rounds once.
-    """
-    conv = fla_conv()
-    if conv is None:
-        raise RuntimeError("fla.modules.causal_conv1d does not import")
-    out, final = conv(
-        x[None], weight, bias, initial_state=windows.transpose(1, 2).contiguous(), output_final_state=True,
-        activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-    )
-    if final is None:
-        raise RuntimeError("fla's causal_conv1d returned no final state")
-    return out[0], final.transpose(1, 2).to(windows.dtype)
+    """:func:`conv_prefill` on packed segments: ``x`` ``[T, C]``, ``windows`` ``[S, K, C]`` the
+    windows the segments continue from, ``taps`` ``[T, K]`` (:func:`conv_taps`) and ``window_taps``
+    ``[S, K]`` (the taps of each segment's last token). Returns the pre-activation output ``[T, C]``
+    (fp32: the ``K`` products summed oldest first, then the bias) and the new windows ``[S, K, C]``.
+    A gather per tap and no padding: a compiled region fuses it into one kernel."""
+    source = torch.cat([windows.flatten(0, 1).to(x.dtype), x])
+    w = weight.float()
+    out = source[taps[:, 0]].float() * w[:, 0]
+    for j in range(1, weight.shape[-1]):
+        out = torch.addcmul(out, source[taps[:, j]].float(), w[:, j])
+    if bias is not None:
+        out = out + bias.float()
+    return out, source[window_taps].to(windows.dtype)
 
 
 def chunk_prefill_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, *, recurrent: bool = False,
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_prefill` on packed segments through fla: ``q``/``k`` ``[T, Hk, Dk]``, ``v``
-    ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32. Returns the
-    output ``[T, Hv, Dv]`` and the final states ``[S, Hv, Dk, Dv]`` (fp32).
-
-    ``recurrent``: through fla's fused recurrent kernel instead of its chunked one: one launch for
-    the whole batch, in which each (segment, head) program runs its segment's tokens one after
-    another with the state in registers, as decode does one token. For short segments this beats
-    the chunked form, whose seven kernels each cost more host time to launch than the recurrence
-    costs the GPU (see :attr:`LeanModel.recurrent_prefill_width`)."""
-    ops = require_fla_ops()
-    rule, host_seqlens = (
-        (ops.fused_recurrent_gated_delta_rule, {}) if recurrent
-        else (ops.chunk_gated_delta_rule, _cpu_seqlens(cu_seqlens_cpu))
-    )
-    out, final = rule(
+    """:func:`chunk_prefill` on packed segments through fla's chunked kernel: ``q``/``k`` ``[T, Hk,
+    Dk]``, ``v`` ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32.
+    Returns the output ``[T, Hv, Dv]`` and the final states ``[S, Hv, Dk, Dv]`` (fp32). (Short
+    segments take fla's recurrent kernel instead: :func:`fla_recurrent_step` with ``cu_seqlens``.)"""
+    out, final = require_fla_ops().chunk_gated_delta_rule(
         q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
         initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-        **host_seqlens,
+        **_cpu_seqlens(cu_seqlens_cpu),
     )
     return out[0], final.float()
 

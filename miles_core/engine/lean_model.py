@@ -30,13 +30,15 @@ from miles_core.engine.state import SlotState, StateShapes
 
 #: a packed prefill runs the GDN recurrence through fla's recurrent kernel when its segments are at
 #: most this long and it has at most RECURRENT_PREFILL_TOKENS tokens (see
-#: :attr:`LeanModel.recurrent_prefill_width`). H100, one layer, 64 segments: the recurrent kernel
-#: wins at 16-48 tokens (0.58 vs 0.87 ms wall: one launch against the chunked form's seven, whose
-#: host time bounds it) and loses from ~100 tokens on (2.36 vs 2.24 ms at 100-300, 9.4 vs 2.7 ms at
-#: 500-1500).
+#: :attr:`LeanModel.recurrent_prefill_width`). H100, one layer, 64 segments
+#: (``benchmarks/gdn_prefill_kernels.py``): the recurrent kernel, launched in place, wins at 16-48
+#: tokens (0.38 vs 0.73 ms wall: one launch against the chunked form's seven, whose host time bounds
+#: it) and loses from ~100 tokens on (2.0 vs 0.91 ms at 100-300, 9.9 vs 2.6 ms at 500-1500; measured
+#: with [K, 32] value tiles, the engine's [K, 16] takes ~20 % less GPU time: gdn_ops.PREFILL_TILE).
 RECURRENT_PREFILL_WIDTH = 64
-#: the recurrent kernel took 0.35 ms of GPU time for those 2,110 tokens; at worst linear in tokens it
-#: stays under the chunked form's 0.86 ms of host time up to ~5k tokens
+#: its GPU time grows with the tokens ([K, 16] tiles: 0.26 ms at 2,110, 0.89 ms at 7,854 in 256
+#: segments) past the chunked form's (0.20 / 0.67 ms): where a prefill is big enough to keep the GPU
+#: busy, the chunked kernel's lower GPU time wins
 RECURRENT_PREFILL_TOKENS = 4096
 _STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
 _ARCHITECTURES = {
@@ -326,6 +328,21 @@ def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor, contiguous: bool
     return q, k, v, g, beta, z
 
 
+def _gdn_prefill_in(
+    layer: _Layer, h: torch.Tensor, windows: torch.Tensor, taps: torch.Tensor, window_taps: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_gdn_in` for a packed prefill: ``q``, ``k``, ``v`` (contiguous), ``g``, ``beta``, ``z``
+    and the segments' new conv windows (``windows`` the ones they continue, ``taps`` and
+    ``window_taps`` from :func:`gdn_ops.conv_taps`)."""
+    m = layer.mixer
+    assert isinstance(m, _GDN)
+    qkv, z, beta, g = _gdn_project(layer, h)
+    out, new_windows = gdn_ops.conv_prefill_taps(qkv, windows, taps, window_taps, m.conv_weight, m.conv_bias)
+    mixed = m.act(out)
+    q, k, v = _split_qkv(m, mixed if mixed.dtype == h.dtype else mixed.to(h.dtype))
+    return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, z, new_windows
+
+
 def _gdn_rest(layer: _Layer, h: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The GDN layer after its recurrent step: gated norm, output projection, residual, MLP."""
     m = layer.mixer
@@ -355,6 +372,7 @@ class _Regions:
 
     gdn_in: Any = _gdn_in
     gdn_project: Any = _gdn_project
+    gdn_prefill_in: Any = _gdn_prefill_in
     gdn_rest: Any = _gdn_rest
     attention_in: Any = _attention_in
     attention_rest: Any = _attention_rest
@@ -381,6 +399,13 @@ class Prefill:
     width: int  # L
     keys: int  # attention span: max(start + length)
     token_rows: torch.Tensor  # [T]: each token's row
+    #: ``(first, end)`` when the rows are ``first, first + 1, ..., end - 1``: their states are then
+    #: slices of the slot tensors, read and written in place instead of gathered and scattered
+    row_span: tuple[int, int] | None
+    #: the packed conv's input indices ``[T, K]`` and those of the new windows ``[S, K]``
+    #: (:func:`gdn_ops.conv_taps`; packed GDN prefill only)
+    taps: torch.Tensor | None
+    window_taps: torch.Tensor | None
     #: causal masks built by the first attention layer, for the others (see ``_prefill_mask``)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -454,9 +479,9 @@ class LeanModel:
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
-        #: GDN prefill over the packed tokens through fla's variable-length conv and chunk kernels
-        #: (no padding, ~25 fewer launches a layer); otherwise right-padded segments
-        self.packed_gdn_prefill = self.fla_step is not None and gdn_ops.fla_conv() is not None
+        #: GDN prefill over the packed tokens (the conv a gather per tap inside the projections'
+        #: region, the recurrence through fla's variable-length kernels); otherwise right-padded segments
+        self.packed_gdn_prefill = self.fla_step is not None
         #: packed prefills whose segments are all at most this long (and that have at most
         #: ``recurrent_prefill_tokens`` tokens) run the GDN recurrence through fla's recurrent kernel
         #: (one launch a layer) instead of its chunked one
@@ -474,7 +499,7 @@ class LeanModel:
         def compiled(fn: Any) -> Any:
             return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
-        self.regions = _Regions(compiled(_gdn_in), compiled(_gdn_project), compiled(_gdn_rest),
+        self.regions = _Regions(compiled(_gdn_in), compiled(_gdn_project), compiled(_gdn_prefill_in), compiled(_gdn_rest),
                                 compiled(_attention_in), compiled(_attention_rest), compiled(_logits), compiled=True)
 
     def norms(self) -> list[_Norm]:
@@ -597,12 +622,18 @@ class LeanModel:
             cu.append(cu[-1] + len(chunk))
             last.append(cu[-1] - 1)
         tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        lengths_t = tensor(lengths)
+        cu_seqlens, last_t = tensor(cu), tensor(last)
+        taps = window_taps = None
+        kernel = next((y.mixer.conv_weight.shape[-1] for y in self.layers if isinstance(y.mixer, _GDN)), 0)
+        if self.packed_gdn_prefill and kernel:
+            taps = gdn_ops.conv_taps(cu_seqlens, cu[-1], kernel)
+            window_taps = taps[last_t]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         return Prefill(
-            ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=lengths_t,
-            packed_index=tensor(packed_index),
-            last=tensor(last), cu_seqlens=tensor(cu), cu_seqlens_cpu=torch.tensor(cu), width=width,
-            keys=max(s + n for s, n in zip(starts, lengths)), token_rows=tensor(token_rows),
+            ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=tensor(lengths),
+            packed_index=tensor(packed_index), last=last_t, cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(cu),
+            width=width, keys=max(s + n for s, n in zip(starts, lengths)), token_rows=tensor(token_rows),
+            row_span=(rows[0], rows[0] + len(rows)) if contiguous else None, taps=taps, window_taps=window_taps,
         )
 
     def prefill(self, state: SlotState, batch: Prefill) -> torch.Tensor:
@@ -621,8 +652,7 @@ class LeanModel:
         for layer in self.layers:
             m = layer.mixer
             if isinstance(m, _GDN):
-                qkv, z, beta, g = regions.gdn_project(layer, h)
-                core = self._gdn_prefill(m, qkv, beta, g, state, batch)
+                core, z = self._gdn_prefill(layer, h, state, batch, regions)
                 mark(core, z)
                 h = regions.gdn_rest(layer, h, core, z)
             else:
@@ -688,38 +718,48 @@ class LeanModel:
     def _unpad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
         return x.reshape(-1, *x.shape[2:])[batch.packed_index]
 
-    def _gdn_prefill(self, m: _GDN, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: SlotState,
-                     batch: Prefill) -> torch.Tensor:
-        """The causal conv and the chunked recurrence of the batch's segments (their rows' conv
-        windows and recurrent states updated); the recurrence's output ``[T, Hv, Dv]``. Packed
-        through fla's variable-length kernels (:attr:`packed_gdn_prefill`), else right-padded."""
-        conv_rows = state.conv[m.index]
-        if self.packed_gdn_prefill:  # SiLU applied: the layers' activation (see unsupported_reason)
-            mixed, windows = gdn_ops.conv_prefill_packed(
-                qkv, conv_rows[batch.rows], m.conv_weight, m.conv_bias, batch.cu_seqlens, batch.cu_seqlens_cpu
-            )
-        else:
+    def _gdn_prefill(self, layer: _Layer, h: torch.Tensor, state: SlotState, batch: Prefill,
+                     regions: _Regions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projections, causal conv and recurrence of a GDN layer over the batch's segments (their
+        rows' conv windows and recurrent states updated): the recurrence's output ``[T, Hv, Dv]``
+        and the output gate ``z``. Packed through fla's variable-length kernels
+        (:attr:`packed_gdn_prefill`), else right-padded."""
+        m = layer.mixer
+        assert isinstance(m, _GDN)
+        conv_rows, recurrent = state.conv[m.index], state.recurrent[m.index]
+        # consecutive rows are a slice (a view, written in place), others an index (a gathered copy)
+        rows: slice | torch.Tensor = slice(*batch.row_span) if batch.row_span else batch.rows
+        if not self.packed_gdn_prefill:
+            qkv, z, beta, g = regions.gdn_project(layer, h)
             out, windows = gdn_ops.conv_prefill(
-                self._pad(qkv, batch), conv_rows[batch.rows], batch.lengths, m.conv_weight, m.conv_bias
+                self._pad(qkv, batch), conv_rows[rows], batch.lengths, m.conv_weight, m.conv_bias
             )
+            conv_rows[rows] = windows
             mixed = m.act(out)
-            mixed = mixed if mixed.dtype == self.dtype else mixed.to(self.dtype)  # [S, L, C]
-        conv_rows[batch.rows] = windows
-        q, k, v = _split_qkv(m, mixed)
-        recurrent = state.recurrent[m.index]
-        initial = recurrent[batch.rows].float()
-        if self.packed_gdn_prefill:
-            recurrent_kernel = (batch.width <= self.recurrent_prefill_width
-                                and batch.ids.shape[0] <= self.recurrent_prefill_tokens)
-            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu,
-                                                       recurrent=recurrent_kernel)
-        else:
+            q, k, v = _split_qkv(m, mixed if mixed.dtype == self.dtype else mixed.to(self.dtype))  # [S, L, ...]
             core, final = gdn_ops.chunk_prefill(
-                q, k, v, self._pad(g, batch), self._pad(beta, batch), initial, batch.packed_index,
+                q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[rows].float(), batch.packed_index,
                 batch.cu_seqlens, batch.cu_seqlens_cpu,
             )
-        recurrent[batch.rows] = final.to(recurrent.dtype)
-        return core
+            recurrent[rows] = final.to(recurrent.dtype)
+            return core, z
+        assert batch.taps is not None and batch.window_taps is not None and self.fla_step is not None
+        windows = conv_rows[rows]
+        if regions.compiled:
+            _batch_dynamic(windows, batch.taps, batch.window_taps)
+        q, k, v, g, beta, z, windows = regions.gdn_prefill_in(layer, h, windows, batch.taps, batch.window_taps)
+        conv_rows[rows] = windows
+        states = recurrent[rows]
+        if batch.width <= self.recurrent_prefill_width and batch.ids.shape[0] <= self.recurrent_prefill_tokens:
+            core = self.fla_step(q, k, v, g, beta, states, batch.cu_seqlens)  # states updated in place
+            final = states
+        else:
+            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, states.float(), batch.cu_seqlens,
+                                                       batch.cu_seqlens_cpu)
+        if batch.row_span is None or final is not states:
+            recurrent[rows] = final.to(recurrent.dtype)
+        return core, z
+
 
 def _no_mark(*tensors: torch.Tensor) -> None:
     """What the plain regions need instead of :func:`_batch_dynamic`: nothing."""

@@ -11,6 +11,8 @@ and its recurrent decode kernel sums in another order than its chunked prefill. 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -119,30 +121,36 @@ def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(cache) -> Non
                 assert (expected - torch.tensor(completion.logprobs)).abs().max() <= logprob_tolerance("cuda")
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_in_place_recurrent_decode_equals_fla_entry_point(state_dtype: torch.dtype) -> None:
-    """The decode step runs fla's kernel with the state as its own final state; the public entry
-    point (a new final state, copied back) runs the same kernel on the same inputs. The two tile
-    the value axis differently (32 against fla's 8 columns), which changes only the order of the
-    fp32 sums over the key axis: states agree to their dtype's rounding and outputs to one bf16
-    rounding (``assert_close``'s defaults for those dtypes); tiles that overlapped would be far
-    off. A bf16 state is loaded into fp32 and rounded once on the way back by both."""
+def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype, packed: bool) -> None:
+    """Decode (one token per row) and a packed prefill (segments of 1-40 tokens, ``cu_seqlens``) run
+    fla's kernel with the states as their own final states, here rows 2-5 of eight (a slice, as the
+    engine passes consecutive rows); the public entry point (new final states, copied back) runs the
+    same kernel on the same inputs. The two tile the value axis differently (32 against fla's 8
+    columns), which changes only the order of the fp32 sums over the key axis: states agree to
+    their dtype's rounding and outputs to one bf16 rounding (``assert_close``'s defaults for those
+    dtypes); tiles that overlapped would be far off, and the other rows must stay as they were. A
+    bf16 state is loaded into fp32 and rounded once on the way back by both."""
     from miles_core.engine import gdn_ops
 
     if gdn_ops.fla_ops() is None or gdn_ops._fla_recurrent_kernel() is None:
         pytest.skip("fla's recurrent kernel is not importable with the parameters the in-place step passes")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    n, hk, hv, dk, dv = 48, 8, 16, 128, 128
+    lengths = [1, 5, 17, 40] if packed else [1] * 4
+    tokens, hk, hv, dk, dv = sum(lengths), 8, 16, 128, 128
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda") if packed else None
     rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
-    qk = rand(n, 2 * hk, dk).bfloat16()
-    v = rand(n, hv, dv).bfloat16()
-    g = -torch.rand(n, hv, generator=gen, device="cuda")
-    beta = torch.rand(n, hv, generator=gen, device="cuda").bfloat16()
-    state = rand(n, hv, dk, dv).to(state_dtype)
-    in_place, by_copy = state.clone(), state.clone()
-    out = gdn_ops.fla_recurrent_step()(qk[:, :hk], qk[:, hk:], v, g, beta, in_place)
-    expected = gdn_ops._fla_entry_point_decode(qk[:, :hk], qk[:, hk:], v, g, beta, by_copy)
-    assert not torch.equal(in_place, state)  # the step did update the state
+    qk = rand(tokens, 2 * hk, dk).bfloat16()
+    v = rand(tokens, hv, dv).bfloat16()
+    g = -torch.rand(tokens, hv, generator=gen, device="cuda")
+    beta = torch.rand(tokens, hv, generator=gen, device="cuda").bfloat16()
+    slots = rand(8, hv, dk, dv).to(state_dtype)
+    in_place, by_copy = slots.clone(), slots.clone()
+    out = gdn_ops.fla_recurrent_step()(qk[:, :hk], qk[:, hk:], v, g, beta, in_place[2:6], cu)
+    expected = gdn_ops._fla_entry_point(qk[:, :hk], qk[:, hk:], v, g, beta, by_copy[2:6], cu)
+    assert not torch.equal(in_place[2:6], slots[2:6])  # the step did update the states
+    assert torch.equal(in_place[:2], slots[:2]) and torch.equal(in_place[6:], slots[6:])
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(in_place, by_copy)
 
@@ -170,10 +178,10 @@ def test_kv_growth_while_decoding_recaptures_the_graphs(cache, overlap_steps: bo
 
 @pytest.mark.parametrize("recurrent_width", [0, 64])
 def test_packed_gdn_prefill_equals_the_padded_one(cache, recurrent_width: int) -> None:
-    """fla's variable-length conv over the packed tokens against the padded torch conv, prompts
-    prefilled in two chunks, the recurrence through fla's chunk kernel on both sides
-    (``recurrent_width=0``) or, packed, through its recurrent kernel (every segment here is <= 64
-    tokens): the conv windows are copies of inputs (equal), and the logits agree to fp32 rounding
+    """The packed conv (a gather per tap) over the packed tokens against the padded torch conv,
+    prompts prefilled in two chunks, the recurrence through fla's chunk kernel on both sides
+    (``recurrent_width=0``) or, packed, through its recurrent kernel in place (every segment here is
+    <= 64 tokens): the conv windows are copies of inputs (equal), and the logits agree to fp32 rounding
     carried through one forward (tf32 inside fla's chunk kernel). The recurrent kernel computes in
     fp32 throughout, so its states differ from the chunked ones by the chunk kernel's tf32 rounding:
     2 ** -11 relative per operand, twice per product (rtol 2e-3)."""
@@ -182,8 +190,8 @@ def test_packed_gdn_prefill_equals_the_padded_one(cache, recurrent_width: int) -
     from miles_core.engine.loader import load_model
     from miles_core.engine.state import SlotState
 
-    if gdn_ops.fla_ops() is None or gdn_ops.fla_conv() is None:
-        pytest.skip("fla's gated delta rule or causal conv does not import")
+    if gdn_ops.fla_ops() is None:
+        pytest.skip("fla's gated delta rule does not import")
     model = load_model(preset_dir("tiny", cache), dtype="float32", device="cuda").model
     prompts = [[(5 * i + j) % 256 for j in range(3 + 11 * i)] for i in range(4)]
 

@@ -40,13 +40,19 @@ def tiny_model(tiny_dir):
 
 
 def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6, pad_to: int | None = None,
-         keys_transposed: bool | None = None, fused_norms: bool = False) -> list[torch.Tensor]:
-    """Prefill PROMPTS (in chunks of ``chunk`` tokens) and decode ``steps`` fixed tokens; every step's logits.
-    Keys are stored as the runner stores them for that attention path unless ``keys_transposed`` says."""
+         keys_transposed: bool | None = None, fused_norms: bool = False, packed: bool | None = None,
+         perm: list[int] | None = None) -> list[torch.Tensor]:
+    """Prefill PROMPTS (in chunks of ``chunk`` tokens) and decode ``steps`` fixed tokens; every step's
+    logits, in prompt order. Prompt ``i`` lives in row ``perm[i]`` (default: row ``i``). Keys are
+    stored as the runner stores them for that attention path unless ``keys_transposed`` says;
+    ``packed`` overrides the model's choice of GDN prefill."""
     lean = LeanModel(model, max_model_len=512)
     lean.sdpa = sdpa
     lean.fuse_norms(fused_norms)
+    if packed is not None:
+        lean.packed_gdn_prefill = packed
     n = len(PROMPTS)
+    perm = perm or list(range(n))
     rows = max(n, pad_to or 0)
     transposed = not sdpa if keys_transposed is None else keys_transposed
     state = SlotState(lean.state_shapes(), max_slots=rows, staging=0, max_model_len=512, dtype=torch.float32,
@@ -58,13 +64,14 @@ def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6,
         while any(d < len(p) for d, p in zip(done, PROMPTS)):
             live = [i for i in range(n) if done[i] < len(PROMPTS[i])]
             take = [PROMPTS[i][done[i] : done[i] + (chunk or len(PROMPTS[i]))] for i in live]
-            out.append(lean.prefill(state, lean.prefill_batch(live, [done[i] for i in live], take)))
+            out.append(lean.prefill(state, lean.prefill_batch([perm[i] for i in live], [done[i] for i in live], take)))
             for i, t in zip(live, take):
                 done[i] += len(t)
+        prompt_of = {row: i for i, row in enumerate(perm)}
         for step in range(steps):
-            ids = torch.tensor([(7 * step + 3 * i) % 256 for i in range(rows)])
+            ids = torch.tensor([(7 * step + 3 * prompt_of.get(r, r)) % 256 for r in range(rows)])
             span = max(len(p) for p in PROMPTS) + step + 1
-            logits = lean.decode(state, ids, span)[:n]
+            logits = lean.decode(state, ids, span)[perm]
             if pad_to:
                 state.lengths[n:pad_to] = 0  # what DecodeGraphs does after a padded replay
             out.append(logits)
@@ -150,47 +157,54 @@ def _use_fla_stand_in(monkeypatch: pytest.MonkeyPatch) -> _FlaStandIn:
 
 
 def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
-    reference = _run(tiny_model, chunk=24)
-    stand_in = _use_fla_stand_in(monkeypatch)
-    with_fla = _run(tiny_model, chunk=24)
-    assert {"chunk", "recurrent"} <= set(stand_in.calls)
-    assert _close(with_fla, reference) <= 1e-5
-
-
-def _fla_conv_stand_in(calls: list[str]):
-    """fla's ``causal_conv1d`` (variable length, SiLU, initial and final states) as its kernels
-    compute it: a segment's state is ``[D, W]``, newest input last; its output at ``t`` sums
-    ``weight[:, j] * x[t - W + 1 + j]`` over ``j`` (inputs before the segment from the state's last
-    ``W - 1`` columns), adds the bias and applies SiLU; the final state is the last ``W`` inputs,
-    the initial state's before a segment shorter than ``W``, in ``x``'s dtype."""
-    def causal_conv1d(x, weight, bias, *, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu):
-        assert x.shape[0] == 1 and activation == "silu" and output_final_state and initial_state.is_contiguous()
-        assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu) and len(cu_seqlens) - 1 == initial_state.shape[0]
-        calls.append("conv")
-        width = weight.shape[1]
-        outs, finals = [], []
-        for i, (start, end) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
-            history = torch.cat([initial_state[i].t().to(x.dtype), x[0, start:end]])  # [W + L, D], time-major
-            taps = history[1:].unfold(0, width, 1)  # [L, D, W]: each output's W inputs, oldest first
-            y = (taps.float() * weight.float()).sum(-1) + (0 if bias is None else bias.float())
-            outs.append(torch.nn.functional.silu(y).to(x.dtype))
-            finals.append(history[-width:].t())
-        return torch.cat(outs)[None], torch.stack(finals)
-    return causal_conv1d
-
-
-def test_packed_gdn_prefill_through_fla_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
-    """With fla's conv importable the GDN prefill stays packed (no padding): the conv windows go to
-    fla channels-first and come back, and every step's logits equal the padded CPU path's."""
+    """The GDN prefill through fla's chunked kernel, packed (the conv over gathered taps) or padded,
+    and decode through its recurrent kernel: the CPU path's logits, continuations included (prompts
+    of 70 and 33 tokens in chunks of 24 continue from stored windows and states)."""
     from miles_core.engine import lean_model
 
     reference = _run(tiny_model, chunk=24)
     stand_in = _use_fla_stand_in(monkeypatch)
-    monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
     monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", 0)  # the chunked form for every batch
-    packed = _run(tiny_model, chunk=24)  # prompts of 70 and 33 tokens: continuations from stored windows
-    assert {"conv", "chunk", "recurrent"} <= set(stand_in.calls)
-    assert _close(packed, reference) <= 1e-5
+    for packed in (True, False):
+        stand_in.calls.clear()
+        assert _close(_run(tiny_model, chunk=24, packed=packed), reference) <= 1e-5
+        assert {"chunk", "recurrent"} <= set(stand_in.calls) and "recurrent packed" not in stand_in.calls
+
+
+def test_rows_out_of_order_are_gathered_and_scattered(tiny_model, monkeypatch) -> None:
+    """Prefill batches over consecutive rows read and write the rows' states in place (slices);
+    others gather and scatter them. Prompts in rows 3, 0, 2, 1 (every batch out of order) give the
+    logits of prompts in rows 0-3, packed (both GDN kernels) and padded."""
+    from miles_core.engine import lean_model
+
+    perm = [3, 0, 2, 1]
+    reference = _run(tiny_model, chunk=24)
+    assert _close(_run(tiny_model, chunk=24, perm=perm), reference) <= 1e-5
+    _use_fla_stand_in(monkeypatch)
+    for width in (0, 30):
+        monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", width)
+        assert _close(_run(tiny_model, chunk=24, perm=perm), reference) <= 1e-5
+
+
+def test_packed_conv_taps_equal_the_padded_conv() -> None:
+    """The packed prefill's conv (a gather per tap from the stored windows and the new inputs)
+    against the padded one, segments shorter and longer than the kernel, continuing non-zero
+    windows: the same products summed in the same order (equal outputs), the same new windows."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, kernel, channels = [1, 2, 7, 3, 12], 4, 6
+    segments, width = len(lengths), max(lengths)
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    windows = torch.randn(segments, kernel, channels, generator=gen)
+    weight, bias = torch.randn(channels, kernel, generator=gen), torch.randn(channels, generator=gen)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    taps = gdn_ops.conv_taps(cu, int(cu[-1]), kernel)
+    out, new_windows = gdn_ops.conv_prefill_taps(x, windows, taps, taps[cu[1:] - 1], weight, bias)
+    padded = torch.zeros(segments, width, channels)
+    for s, (start, end) in enumerate(itertools.pairwise(cu.tolist())):
+        padded[s, : end - start] = x[start:end]
+    expected, expected_windows = gdn_ops.conv_prefill(padded, windows, torch.tensor(lengths), weight, bias)
+    assert torch.equal(out, torch.cat([expected[s, :n] for s, n in enumerate(lengths)]))
+    assert torch.equal(new_windows, expected_windows)
 
 
 def test_short_segments_prefill_through_fla_recurrent_kernel(tiny_model, monkeypatch) -> None:
@@ -201,7 +215,6 @@ def test_short_segments_prefill_through_fla_recurrent_kernel(tiny_model, monkeyp
 
     reference, reference_40 = _run(tiny_model, chunk=24), _run(tiny_model, chunk=40)
     stand_in = _use_fla_stand_in(monkeypatch)
-    monkeypatch.setattr(gdn_ops, "fla_conv", lambda: _fla_conv_stand_in(stand_in.calls))
     monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", 30)
     recurrent = _run(tiny_model, chunk=24)  # every batch <= 24 tokens wide
     assert "recurrent packed" in stand_in.calls and "chunk" not in stand_in.calls
