@@ -315,16 +315,15 @@ def _gdn_project(layer: _Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return _gdn_projections(m, rms_norm(h, layer.input_norm))
 
 
-def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor, contiguous: bool) -> GDNInputs:
+def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor) -> GDNInputs:
     """Norm, projections and the causal-conv step (``conv`` updated in place) of a GDN layer:
-    queries ``[n, Hk, Dk]``, keys, values ``[n, Hv, Dv]``, ``g``, ``beta`` ``[n, Hv]`` and the gate ``z``."""
+    queries ``[n, Hk, Dk]``, keys, values ``[n, Hv, Dv]``, ``g``, ``beta`` ``[n, Hv]`` and the gate ``z``
+    (on CUDA the conv step is a Triton kernel after :func:`_gdn_project` instead)."""
     m = layer.mixer
     assert isinstance(m, _GDN)
     qkv, z, beta, g = _gdn_project(layer, h)
     mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv_weight, m.conv_bias))
     q, k, v = _split_qkv(m, mixed if mixed.dtype == h.dtype else mixed.to(h.dtype))
-    if contiguous:  # what fla's kernel reads
-        return q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), z
     return q, k, v, g, beta, z
 
 
@@ -479,6 +478,8 @@ class LeanModel:
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
+        #: the decode step's conv, SiLU and q/k/v split as one Triton kernel (CUDA with fla), else in torch
+        self.conv_step = gdn_ops.triton_conv_step() if self.fla_step is not None and self.device.type == "cuda" else None
         #: GDN prefill over the packed tokens (the conv a gather per tap inside the projections'
         #: region, the recurrence through fla's variable-length kernels); otherwise right-padded segments
         self.packed_gdn_prefill = self.fla_step is not None
@@ -551,13 +552,18 @@ class LeanModel:
         h = F.embedding(ids, self.embed.weight)
         mark = _batch_dynamic if regions.compiled else _no_mark
         mark(h, cos, sin)
-        contiguous = self.fla_step is not None
         for layer in self.layers:
             m = layer.mixer
             if isinstance(m, _GDN):
                 conv = state.conv[m.index, :n]
-                mark(conv)
-                q, k, v, g, beta, z = regions.gdn_in(layer, h, conv, contiguous)
+                if self.conv_step is not None:
+                    qkv, z, beta, g = regions.gdn_project(layer, h)
+                    q, k, v = self.conv_step(qkv, conv, m.conv_weight, m.conv_bias, m.k_heads * m.k_dim)
+                    q, k = q.view(n, m.k_heads, m.k_dim), k.view(n, m.k_heads, m.k_dim)
+                    v = v.view(n, m.v_heads, m.v_dim)
+                else:
+                    mark(conv)
+                    q, k, v, g, beta, z = regions.gdn_in(layer, h, conv)
                 core = gdn_ops.recurrent_decode(q, k, v, g, beta, state.recurrent[m.index, :n], self.l2_eps,
                                                 m.sqrt_dk, self.fla_step)
                 mark(core, z)

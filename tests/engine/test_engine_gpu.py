@@ -155,6 +155,35 @@ def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype
     torch.testing.assert_close(in_place, by_copy)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_triton_conv_step_equals_the_torch_one(with_bias: bool) -> None:
+    """The decode step's conv as one Triton kernel against the torch path it replaces
+    (``conv_decode``, SiLU, the q/k/v split), at the small-gpu shape with rows read from a slice of a
+    wider projection: the shifted windows are copies (equal), and the outputs agree to one bf16
+    rounding of the same fp32 sums (``assert_close``'s bf16 defaults; a wrong tap, weight or channel
+    would be far off)."""
+    import torch.nn.functional as F
+
+    from miles_core.engine import gdn_ops
+
+    conv_step = gdn_ops.triton_conv_step()
+    if conv_step is None:
+        pytest.skip("triton does not import")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, key, value, taps = 48, 1024, 2048, 4
+    channels = 2 * key + value
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").bfloat16()  # noqa: E731
+    projection = rand(n, channels + 64)
+    x = projection[:, 32 : 32 + channels]
+    slots = rand(8 + n, taps, channels)
+    weight, bias = rand(channels, 1, taps)[:, 0], rand(channels) if with_bias else None
+    by_torch, by_triton = slots.clone(), slots.clone()
+    expected = F.silu(gdn_ops.conv_decode(x, by_torch[4 : 4 + n], weight, bias)).bfloat16()
+    q, k, v = conv_step(x, by_triton[4 : 4 + n], weight, bias, key)
+    assert torch.equal(by_triton, by_torch) and not torch.equal(by_triton, slots)
+    torch.testing.assert_close(torch.cat([q, k, v], dim=1), expected)
+
+
 @pytest.mark.parametrize("overlap_steps", [True, False])
 def test_kv_growth_while_decoding_recaptures_the_graphs(cache, overlap_steps: bool) -> None:
     """Sequences that outgrow the initial KV capacity (256) mid-decode reallocate the state: every
