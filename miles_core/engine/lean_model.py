@@ -453,6 +453,8 @@ class LeanModel:
                                       mixer, _Fused([layer.mlp.gate_proj, layer.mlp.up_proj]),
                                       layer.mlp.down_proj.weight, layer.mlp.down_proj.bias))
         self.max_model_len = max_model_len
+        #: taps of the GDN layers' causal conv (0 without GDN layers)
+        self.conv_kernel = next((y.mixer.conv_weight.shape[-1] for y in self.layers if isinstance(y.mixer, _GDN)), 0)
         self.vocab_size = model.config.vocab_size
         self.l2_eps = _const(1e-6, self.device)  # transformers' and fla's l2norm epsilon
         with torch.no_grad():
@@ -630,16 +632,15 @@ class LeanModel:
         tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         cu_seqlens, last_t = tensor(cu), tensor(last)
         taps = window_taps = None
-        kernel = next((y.mixer.conv_weight.shape[-1] for y in self.layers if isinstance(y.mixer, _GDN)), 0)
-        if self.packed_gdn_prefill and kernel:
-            taps = gdn_ops.conv_taps(cu_seqlens, cu[-1], kernel)
+        if self.packed_gdn_prefill and self.conv_kernel:
+            taps = gdn_ops.conv_taps(cu_seqlens, cu[-1], self.conv_kernel)
             window_taps = taps[last_t]
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         return Prefill(
             ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=tensor(lengths),
             packed_index=tensor(packed_index), last=last_t, cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(cu),
             width=width, keys=max(s + n for s, n in zip(starts, lengths)), token_rows=tensor(token_rows),
-            row_span=(rows[0], rows[0] + len(rows)) if contiguous else None, taps=taps, window_taps=window_taps,
+            row_span=(rows[0], rows[0] + len(rows)) if consecutive else None, taps=taps, window_taps=window_taps,
         )
 
     def prefill(self, state: SlotState, batch: Prefill) -> torch.Tensor:
