@@ -481,7 +481,7 @@ class LeanModel:
         self.sdpa = on_accelerator
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
         #: the decode step's conv, SiLU and q/k/v split as one Triton kernel (CUDA with fla), else in torch
-        self.conv_step = gdn_ops.triton_conv_step() if self.fla_step is not None and self.device.type == "cuda" else None
+        self.conv_step = gdn_ops.triton_conv_step(param) if self.fla_step is not None else None
         #: GDN prefill over the packed tokens (the conv a gather per tap inside the projections'
         #: region, the recurrence through fla's variable-length kernels); otherwise right-padded segments
         self.packed_gdn_prefill = self.fla_step is not None
