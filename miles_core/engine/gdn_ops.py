@@ -12,10 +12,10 @@ against).
 Prefill runs a batch of segments. With fla on CUDA they stay packed: the conv gathers each
 token's inputs (:func:`conv_prefill_taps`), the recurrence runs through fla's variable-length
 kernels (:func:`chunk_prefill_packed`, or for short segments :func:`fla_recurrent_step` with
-``cu_seqlens``), one initial state per segment; otherwise they are right-padded to a common length. Padding positions get
-``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state a segment ends with is
-exactly the state after its last real token, whatever the padding; the causal convolution cannot
-see padding to the right of a token. Each segment starts from its row's state (zero for a fresh
+``cu_seqlens``), one initial state per segment; otherwise they are right-padded to a common
+length. Padding positions get ``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent
+state a segment ends with is exactly the state after its last real token, whatever the padding;
+the causal convolution cannot see padding to the right of a token. Each segment starts from its row's state (zero for a fresh
 prompt, the previous chunk's for a continuation), which is what makes chunked prefill exact.
 """
 

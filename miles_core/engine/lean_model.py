@@ -288,7 +288,11 @@ def _gdn_out(m: _GDN, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -
     return F.linear((y if y.dtype == dtype else y.to(dtype)).view(t, m.v_heads * m.v_dim), m.out_weight)
 
 
-def _split_qkv(m: _GDN, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _conv_qkv(m: _GDN, conv_out: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal conv's output (fp32) activated, rounded once to ``dtype`` and split into queries
+    ``[..., Hk, Dk]``, keys and values ``[..., Hv, Dv]`` (views)."""
+    mixed = m.act(conv_out)
+    mixed = mixed if mixed.dtype == dtype else mixed.to(dtype)
     key = m.k_heads * m.k_dim
     lead = mixed.shape[:-1]
     q = mixed[..., :key].reshape(*lead, m.k_heads, m.k_dim)
@@ -322,8 +326,7 @@ def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor) -> GDNInputs:
     m = layer.mixer
     assert isinstance(m, _GDN)
     qkv, z, beta, g = _gdn_project(layer, h)
-    mixed = m.act(gdn_ops.conv_decode(qkv, conv, m.conv_weight, m.conv_bias))
-    q, k, v = _split_qkv(m, mixed if mixed.dtype == h.dtype else mixed.to(h.dtype))
+    q, k, v = _conv_qkv(m, gdn_ops.conv_decode(qkv, conv, m.conv_weight, m.conv_bias), h.dtype)
     return q, k, v, g, beta, z
 
 
@@ -337,8 +340,7 @@ def _gdn_prefill_in(
     assert isinstance(m, _GDN)
     qkv, z, beta, g = _gdn_project(layer, h)
     out, new_windows = gdn_ops.conv_prefill_taps(qkv, windows, taps, window_taps, m.conv_weight, m.conv_bias)
-    mixed = m.act(out)
-    q, k, v = _split_qkv(m, mixed if mixed.dtype == h.dtype else mixed.to(h.dtype))
+    q, k, v = _conv_qkv(m, out, h.dtype)
     return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, z, new_windows
 
 
@@ -742,8 +744,7 @@ class LeanModel:
                 self._pad(qkv, batch), conv_rows[rows], batch.lengths, m.conv_weight, m.conv_bias
             )
             conv_rows[rows] = windows
-            mixed = m.act(out)
-            q, k, v = _split_qkv(m, mixed if mixed.dtype == self.dtype else mixed.to(self.dtype))  # [S, L, ...]
+            q, k, v = _conv_qkv(m, out, self.dtype)  # [S, L, ...]
             core, final = gdn_ops.chunk_prefill(
                 q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[rows].float(), batch.packed_index,
                 batch.cu_seqlens, batch.cu_seqlens_cpu,
@@ -759,11 +760,11 @@ class LeanModel:
         states = recurrent[rows]
         if batch.width <= self.recurrent_prefill_width and batch.ids.shape[0] <= self.recurrent_prefill_tokens:
             core = self.fla_step(q, k, v, g, beta, states, batch.cu_seqlens)  # states updated in place
-            final = states
+            if batch.row_span is None:  # they were a gathered copy
+                recurrent[rows] = states
         else:
             core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, states.float(), batch.cu_seqlens,
                                                        batch.cu_seqlens_cpu)
-        if batch.row_span is None or final is not states:
             recurrent[rows] = final.to(recurrent.dtype)
         return core, z
 

@@ -173,8 +173,8 @@ def test_fla_glue_equals_the_torch_kernels(tiny_model, monkeypatch) -> None:
 
 def test_rows_out_of_order_are_gathered_and_scattered(tiny_model, monkeypatch) -> None:
     """Prefill batches over consecutive rows read and write the rows' states in place (slices);
-    others gather and scatter them. Prompts in rows 3, 0, 2, 1 (every batch out of order) give the
-    logits of prompts in rows 0-3, packed (both GDN kernels) and padded."""
+    others gather and scatter them. Prompts in rows 3, 0, 2, 1 (every batch of several prompts out
+    of order) give the logits of prompts in rows 0-3, packed (both GDN kernels) and padded."""
     from miles_core.engine import lean_model
 
     perm = [3, 0, 2, 1]
