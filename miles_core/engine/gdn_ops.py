@@ -93,18 +93,6 @@ def conv_decode(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bias:
     return out if bias is None else out + bias.float()
 
 
-def triton_conv_step(t: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """The decode step's conv as one Triton kernel (:func:`miles_core.engine.gdn_triton.conv_step`)
-    for tensors like ``t`` (GPU tensors, triton importable: wherever fla's kernels run), else ``None``."""
-    if not t.is_cuda:
-        return None
-    try:
-        module = importlib.import_module("miles_core.engine.gdn_triton")
-    except ImportError:
-        return None
-    return module.conv_step
-
-
 def conv_prefill(
     x: torch.Tensor, conv: torch.Tensor, lengths: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

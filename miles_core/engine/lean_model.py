@@ -19,7 +19,9 @@ token-wise layers and right-padded ``[S, L, ...]`` for the sequence mixers.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -273,6 +275,16 @@ def _attention_out(m: _Attention, out: torch.Tensor, gate: torch.Tensor | None) 
     return F.linear(out, m.o_weight, m.o_bias)
 
 
+def _residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``h + x`` as the Hugging Face layer adds them: in half precision one rounding of the fp32 sum
+    of the two rounded terms. Spelled in fp32 so that a compiler cannot fold the add into the
+    matmul that produced ``x`` (a cuBLAS ``addmm``: one rounding fewer than the Hugging Face layer,
+    and a copy of ``h`` into its output first): it fuses into the kernel that reads the sum next."""
+    if h.dtype == torch.float32:
+        return h + x
+    return (h.float() + x.float()).to(h.dtype)
+
+
 def _gdn_projections(m: _GDN, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     qkv, z, b, a = m.projections(x)
     beta = torch.sigmoid(b)
@@ -301,82 +313,104 @@ def _conv_qkv(m: _GDN, conv_out: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     return q, k, v
 
 
-def _logits(final_norm: _Norm, lm_head: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return _fp32(F.linear(rms_norm(h, final_norm), lm_head))
+def _finish(layer: _Layer | None, h: torch.Tensor, mixed: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
+    """The rest of ``layer`` after its sequence mixer, whose output is ``mixed`` (GDN: the
+    recurrence's ``[T, Hv, Dv]``, attention: ``[T, H * D]``) with output gate ``gate`` (GDN: ``z``,
+    gated attention: its gate, else ``None``): output projection, residual, MLP, residual. ``h`` as
+    it is when ``layer`` is ``None`` (before the first layer)."""
+    if layer is None:
+        return h
+    m = layer.mixer
+    if isinstance(m, _GDN):
+        assert mixed is not None and gate is not None
+        h = _residual(h, _gdn_out(m, mixed, gate, h.dtype))
+    else:
+        assert mixed is not None
+        h = _residual(h, _attention_out(m, mixed, gate))
+    return _residual(h, _mlp(layer, rms_norm(h, layer.post_norm)))
 
 
-# -- decode regions: everything of a decode step between its cache kernels -------------------
-# (fla's recurrent step and attention over the KV cache stay outside, as do the cache writes: a
-# compiler must not functionalise the slot tensors into copies)
+# -- regions: the token-wise work between two sequence mixers ------------------------------------
+# A region finishes the previous layer (``prev``, see _finish) and starts the next one (norm,
+# projections and, where it is token-wise, the GDN conv), so that a compiler fuses the residual
+# adds into the next norm and a step makes one region call per layer. fla's recurrence, attention
+# over the KV cache and the cache writes stay outside (a compiler must not functionalise the slot
+# tensors into copies). Functions of the layer records (tensors and Python scalars, no modules and
+# no layer index): a compiled region is traced once per kind of (previous, next) layer and serves
+# every layer of that kind.
 
-GDNInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _gdn_project(layer: _Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm and projections of a GDN layer (prefill): ``qkv``, ``z``, ``beta``, ``g``."""
+def _gdn_in(prev: _Layer | None, layer: _Layer, h: torch.Tensor, mixed: torch.Tensor | None, gate: torch.Tensor | None,
+            conv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Into a GDN layer's decode step: ``h``, then queries ``[n, Hk, Dk]``, keys, values ``[n, Hv,
+    Dv]``, ``g``, ``beta`` ``[n, Hv]`` and the gate ``z``, the causal-conv window ``conv`` updated
+    in place (on CUDA :func:`_gdn_project_raw` and a Triton kernel instead)."""
+    h = _finish(prev, h, mixed, gate)
     m = layer.mixer
     assert isinstance(m, _GDN)
-    return _gdn_projections(m, rms_norm(h, layer.input_norm))
-
-
-def _gdn_in(layer: _Layer, h: torch.Tensor, conv: torch.Tensor) -> GDNInputs:
-    """Norm, projections and the causal-conv step (``conv`` updated in place) of a GDN layer:
-    queries ``[n, Hk, Dk]``, keys, values ``[n, Hv, Dv]``, ``g``, ``beta`` ``[n, Hv]`` and the gate ``z``
-    (on CUDA the conv step is a Triton kernel after :func:`_gdn_project` instead)."""
-    m = layer.mixer
-    assert isinstance(m, _GDN)
-    qkv, z, beta, g = _gdn_project(layer, h)
+    qkv, z, beta, g = _gdn_projections(m, rms_norm(h, layer.input_norm))
     q, k, v = _conv_qkv(m, gdn_ops.conv_decode(qkv, conv, m.conv_weight, m.conv_bias), h.dtype)
-    return q, k, v, g, beta, z
+    return h, q, k, v, g, beta, z
 
 
-def _gdn_prefill_in(
-    layer: _Layer, h: torch.Tensor, windows: torch.Tensor, taps: torch.Tensor, window_taps: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """:func:`_gdn_in` for a packed prefill: ``q``, ``k``, ``v`` (contiguous), ``g``, ``beta``, ``z``
-    and the segments' new conv windows (``windows`` the ones they continue, ``taps`` and
-    ``window_taps`` from :func:`gdn_ops.conv_taps`)."""
+def _gdn_project(prev: _Layer | None, layer: _Layer, h: torch.Tensor, mixed: torch.Tensor | None,
+                 gate: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Into a GDN layer's padded prefill: ``h``, ``qkv``, ``z``, ``beta``, ``g``."""
+    h = _finish(prev, h, mixed, gate)
     m = layer.mixer
     assert isinstance(m, _GDN)
-    qkv, z, beta, g = _gdn_project(layer, h)
+    return h, *_gdn_projections(m, rms_norm(h, layer.input_norm))
+
+
+def _gdn_project_raw(prev: _Layer | None, layer: _Layer, h: torch.Tensor, mixed: torch.Tensor | None,
+                     gate: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Into a GDN layer's decode step when the conv and gates are a Triton kernel: ``h`` and the
+    projections ``qkv``, ``z``, ``b``, ``a`` (views of one matmul's output)."""
+    h = _finish(prev, h, mixed, gate)
+    m = layer.mixer
+    assert isinstance(m, _GDN)
+    return h, *m.projections(rms_norm(h, layer.input_norm))
+
+
+def _gdn_prefill_in(prev: _Layer | None, layer: _Layer, h: torch.Tensor, mixed: torch.Tensor | None,
+                    gate: torch.Tensor | None, windows: torch.Tensor, taps: torch.Tensor,
+                    window_taps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Into a GDN layer's packed prefill: ``h``, ``q``, ``k``, ``v`` (contiguous), ``g``, ``beta``,
+    ``z`` and the segments' new conv windows (``windows`` the ones they continue, ``taps`` and
+    ``window_taps`` from :func:`gdn_ops.conv_taps`)."""
+    h = _finish(prev, h, mixed, gate)
+    m = layer.mixer
+    assert isinstance(m, _GDN)
+    qkv, z, beta, g = _gdn_projections(m, rms_norm(h, layer.input_norm))
     out, new_windows = gdn_ops.conv_prefill_taps(qkv, windows, taps, window_taps, m.conv_weight, m.conv_bias)
     q, k, v = _conv_qkv(m, out, h.dtype)
-    return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, z, new_windows
+    return h, q.contiguous(), k.contiguous(), v.contiguous(), g, beta, z, new_windows
 
 
-def _gdn_rest(layer: _Layer, h: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """The GDN layer after its recurrent step: gated norm, output projection, residual, MLP."""
-    m = layer.mixer
-    assert isinstance(m, _GDN)
-    h = h + _gdn_out(m, core, z, h.dtype)
-    return h + _mlp(layer, rms_norm(h, layer.post_norm))
-
-
-def _attention_in(
-    layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _attention_in(prev: _Layer | None, layer: _Layer, h: torch.Tensor, mixed: torch.Tensor | None,
+                  gate: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                  rotate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Into an attention layer: ``h``, rotated queries, keys, values and the output gate (:func:`_qkv`)."""
+    h = _finish(prev, h, mixed, gate)
     m = layer.mixer
     assert isinstance(m, _Attention)
-    return _qkv(m, rms_norm(h, layer.input_norm), cos, sin, rotate)
+    return h, *_qkv(m, rms_norm(h, layer.input_norm), cos, sin, rotate)
 
 
-def _attention_rest(layer: _Layer, h: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    m = layer.mixer
-    assert isinstance(m, _Attention)
-    h = h + _attention_out(m, out, gate)
-    return h + _mlp(layer, rms_norm(h, layer.post_norm))
+def _logits(prev: _Layer | None, final_norm: _Norm, lm_head: torch.Tensor, h: torch.Tensor,
+            mixed: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
+    """The last layer finished, the final norm and the LM head: fp32 logits."""
+    return _fp32(F.linear(rms_norm(_finish(prev, h, mixed, gate), final_norm), lm_head))
 
 
 @dataclass(frozen=True)
 class _Regions:
-    """The decode step's regions, plain or compiled (:meth:`LeanModel.compile_decode`)."""
+    """The forward's regions, plain or compiled (:meth:`LeanModel.compile_decode`)."""
 
     gdn_in: Any = _gdn_in
     gdn_project: Any = _gdn_project
+    gdn_project_raw: Any = _gdn_project_raw
     gdn_prefill_in: Any = _gdn_prefill_in
-    gdn_rest: Any = _gdn_rest
     attention_in: Any = _attention_in
-    attention_rest: Any = _attention_rest
     logits: Any = _logits
     compiled: bool = False
 
@@ -482,8 +516,9 @@ class LeanModel:
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
-        #: the decode step's conv, SiLU and q/k/v split as one Triton kernel (CUDA with fla), else in torch
-        self.conv_step = gdn_ops.triton_conv_step(param) if self.fla_step is not None else None
+        #: Triton kernels for GPU tensors (:mod:`miles_core.engine.triton_kernels`: the decode step's GDN
+        #: conv and gates, the KV cache writes), else ``None`` (torch)
+        self.kernels = _triton_kernels(param)
         #: GDN prefill over the packed tokens (the conv a gather per tap inside the projections'
         #: region, the recurrence through fla's variable-length kernels); otherwise right-padded segments
         self.packed_gdn_prefill = self.fla_step is not None
@@ -496,16 +531,16 @@ class LeanModel:
         self.regions = _PLAIN
 
     def compile_decode(self, backend: str = "inductor") -> None:
-        """Run the decode step's regions through ``torch.compile`` (fused kernels: a small-gpu step
+        """Run the forward's regions through ``torch.compile`` (fused kernels: a small-gpu step
         launches ~1,100 kernels eagerly, most of them elementwise). Each region is traced once for
-        every layer of its kind, with the batch dimension dynamic (decode batches must have >= 2
-        rows: size 1 would be specialised into a second trace); fla's step, attention over the cache
-        and the cache writes stay eager."""
+        every kind of (previous, next) layer, with the batch dimension dynamic (decode batches must
+        have >= 2 rows: size 1 would be specialised into a second trace); fla's step, attention over
+        the cache and the cache writes stay eager."""
         def compiled(fn: Any) -> Any:
             return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
-        self.regions = _Regions(compiled(_gdn_in), compiled(_gdn_project), compiled(_gdn_prefill_in), compiled(_gdn_rest),
-                                compiled(_attention_in), compiled(_attention_rest), compiled(_logits), compiled=True)
+        self.regions = _Regions(compiled(_gdn_in), compiled(_gdn_project), compiled(_gdn_project_raw),
+                                compiled(_gdn_prefill_in), compiled(_attention_in), compiled(_logits), compiled=True)
 
     def norms(self) -> list[_Norm]:
         out = [self.final_norm]
@@ -549,45 +584,57 @@ class LeanModel:
         rows = self.arange[:n]
         cos, sin = self.cos[positions], self.sin[positions]
         allowed = self.arange[:span] <= positions[:, None]  # [n, span]
-        if self.sdpa:
-            mask = allowed[:, None, None, :]
+        if self.sdpa:  # SDPA's additive mask, once for all layers (a boolean one is converted in every call)
+            mask = torch.where(allowed, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]
         else:  # additive bias for the batched-matmul attention below
             mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
         h = F.embedding(ids, self.embed.weight)
         mark = _batch_dynamic if regions.compiled else _no_mark
         mark(h, cos, sin)
+        kernels = self.kernels
+        prev: _Layer | None = None  # the layer whose rest the next region runs first
+        mixed: torch.Tensor | None = None
+        gate: torch.Tensor | None = None
         for layer in self.layers:
             m = layer.mixer
             if isinstance(m, _GDN):
                 conv = state.conv[m.index, :n]
-                if self.conv_step is not None:
-                    qkv, z, beta, g = regions.gdn_project(layer, h)
-                    q, k, v = self.conv_step(qkv, conv, m.conv_weight, m.conv_bias, m.k_heads * m.k_dim)
+                if kernels is not None:
+                    h, qkv, gate, b, a = regions.gdn_project_raw(prev, layer, h, mixed, gate)
+                    q, k, v, g, beta = kernels.conv_step(qkv, b, a, conv, m.conv_weight, m.conv_bias, m.A_log, m.dt_bias,
+                                                         m.k_heads * m.k_dim)
                     q, k = q.view(n, m.k_heads, m.k_dim), k.view(n, m.k_heads, m.k_dim)
                     v = v.view(n, m.v_heads, m.v_dim)
                 else:
                     mark(conv)
-                    q, k, v, g, beta, z = regions.gdn_in(layer, h, conv)
-                core = gdn_ops.recurrent_decode(q, k, v, g, beta, state.recurrent[m.index, :n], self.l2_eps,
-                                                m.sqrt_dk, self.fla_step)
-                mark(core, z)
-                h = regions.gdn_rest(layer, h, core, z)
+                    h, q, k, v, g, beta, gate = regions.gdn_in(prev, layer, h, mixed, gate, conv)
+                mixed = gdn_ops.recurrent_decode(q, k, v, g, beta, state.recurrent[m.index, :n], self.l2_eps,
+                                                 m.sqrt_dk, self.fla_step)
             else:
-                q, k, v, gate = regions.attention_in(layer, h, cos, sin, self.rotate)
+                h, q, k, v, gate = regions.attention_in(prev, layer, h, mixed, gate, cos, sin, self.rotate)
                 keys, values = state.keys[m.index], state.values[m.index]
                 if state.keys_transposed:
                     keys[rows, :, :, positions] = k
                     span_keys = keys[:n, :, :, :span]
+                    values[rows, :, positions] = v
                 else:
-                    keys[rows, :, positions] = k
+                    self._write_kv(keys, values, k, v, rows, positions)
                     span_keys = keys[:n, :, :span]
-                values[rows, :, positions] = v
-                out = self._decode_attention(m, q, span_keys, values[:n, :, :span], mask, state.keys_transposed)
-                mark(out, *(() if gate is None else (gate,)))
-                h = regions.attention_rest(layer, h, out, gate)
-            mark(h)
+                mixed = self._decode_attention(m, q, span_keys, values[:n, :, :span], mask, state.keys_transposed)
+            mark(h, mixed, *(() if gate is None else (gate,)))
+            prev = layer
         positions.add_(1)
-        return regions.logits(self.final_norm, self.lm_head.weight, h)
+        return regions.logits(prev, self.final_norm, self.lm_head.weight, h, mixed, gate)
+
+    def _write_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keys and values ``[T, kvH, D]`` of tokens ``t`` into ``[rows[t], :, positions[t]]`` of the
+        (untransposed) caches: one Triton kernel on a GPU, two indexed assignments elsewhere."""
+        if self.kernels is not None:
+            self.kernels.kv_write(keys, values, k, v, rows, positions)
+        else:
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
 
     def _decode_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           mask: torch.Tensor, keys_transposed: bool) -> torch.Tensor:
@@ -658,26 +705,29 @@ class LeanModel:
         regions = self.regions if h.shape[0] > 1 else _PLAIN
         mark = _batch_dynamic if regions.compiled else _no_mark
         mark(h, cos, sin)
+        prev: _Layer | None = None  # as in decode
+        mixed: torch.Tensor | None = None
+        gate: torch.Tensor | None = None
         for layer in self.layers:
             m = layer.mixer
             if isinstance(m, _GDN):
-                core, z = self._gdn_prefill(layer, h, state, batch, regions)
-                mark(core, z)
-                h = regions.gdn_rest(layer, h, core, z)
+                h, mixed, gate = self._gdn_prefill(prev, layer, h, mixed, gate, state, batch, regions)
             else:
-                q, k, v, gate = regions.attention_in(layer, h, cos, sin, self.rotate)
+                h, q, k, v, gate = regions.attention_in(prev, layer, h, mixed, gate, cos, sin, self.rotate)
                 keys, values = state.keys[m.index], state.values[m.index]
                 if state.keys_transposed:
                     keys[batch.token_rows, :, :, batch.positions] = k
+                    values[batch.token_rows, :, batch.positions] = v
                 else:
-                    keys[batch.token_rows, :, batch.positions] = k
-                values[batch.token_rows, :, batch.positions] = v
-                out = self._prefill_attention(m, self._pad(q, batch), keys, values, batch, state.keys_transposed)
-                mark(out, *(() if gate is None else (gate,)))
-                h = regions.attention_rest(layer, h, out, gate)
-            mark(h)
+                    self._write_kv(keys, values, k, v, batch.token_rows, batch.positions)
+                mixed = self._prefill_attention(m, self._pad(q, batch), keys, values, batch, state.keys_transposed)
+            mark(h, mixed, *(() if gate is None else (gate,)))
+            prev = layer
         state.lengths[batch.rows] = batch.starts + batch.lengths
-        return _logits(self.final_norm, self.lm_head.weight, h[batch.last])
+        # only each segment's last token needs the last layer's rest (token-wise) and the logits
+        last = batch.last
+        assert mixed is not None
+        return _logits(prev, self.final_norm, self.lm_head.weight, h[last], mixed[last], None if gate is None else gate[last])
 
     def _prefill_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            batch: Prefill, keys_transposed: bool) -> torch.Tensor:
@@ -704,15 +754,16 @@ class LeanModel:
 
     def _prefill_mask(self, batch: Prefill, rep: int) -> torch.Tensor:
         """The causal mask of the batch's segments against their rows' keys, built once per batch:
-        SDPA's boolean ``[S, 1, rep * L, span]`` for ``rep`` stacked query heads, or (``rep = 0``)
+        SDPA's additive ``[S, 1, rep * L, span]`` (the model's dtype) for ``rep`` stacked query heads, or (``rep = 0``)
         the matmul path's additive fp32 bias ``[S, L, span]``."""
         mask = batch.masks.get(rep)
         if mask is None:
             segments, width, span = batch.rows.shape[0], batch.width, batch.keys
             q_pos = batch.starts[:, None] + self.arange[:width][None, :]
             allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
-            if rep:
-                mask = allowed[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
+            if rep:  # additive, converted once for all layers (SDPA converts a boolean mask in every call)
+                mask = torch.where(allowed, 0.0, float("-inf")).to(self.dtype)
+                mask = mask[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
             else:
                 mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
             batch.masks[rep] = mask
@@ -727,19 +778,20 @@ class LeanModel:
     def _unpad(self, x: torch.Tensor, batch: Prefill) -> torch.Tensor:
         return x.reshape(-1, *x.shape[2:])[batch.packed_index]
 
-    def _gdn_prefill(self, layer: _Layer, h: torch.Tensor, state: SlotState, batch: Prefill,
-                     regions: _Regions) -> tuple[torch.Tensor, torch.Tensor]:
-        """Projections, causal conv and recurrence of a GDN layer over the batch's segments (their
-        rows' conv windows and recurrent states updated): the recurrence's output ``[T, Hv, Dv]``
-        and the output gate ``z``. Packed through fla's variable-length kernels
-        (:attr:`packed_gdn_prefill`), else right-padded."""
+    def _gdn_prefill(self, prev: _Layer | None, layer: _Layer, h: torch.Tensor, mixed: torch.Tensor | None,
+                     gate: torch.Tensor | None, state: SlotState, batch: Prefill,
+                     regions: _Regions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``prev`` finished, then projections, causal conv and recurrence of a GDN layer over the
+        batch's segments (their rows' conv windows and recurrent states updated): ``h``, the
+        recurrence's output ``[T, Hv, Dv]`` and the output gate ``z``. Packed through fla's
+        variable-length kernels (:attr:`packed_gdn_prefill`), else right-padded."""
         m = layer.mixer
         assert isinstance(m, _GDN)
         conv_rows, recurrent = state.conv[m.index], state.recurrent[m.index]
         # consecutive rows are a slice (a view, written in place), others an index (a gathered copy)
         rows: slice | torch.Tensor = slice(*batch.row_span) if batch.row_span else batch.rows
         if not self.packed_gdn_prefill:
-            qkv, z, beta, g = regions.gdn_project(layer, h)
+            h, qkv, z, beta, g = regions.gdn_project(prev, layer, h, mixed, gate)
             out, windows = gdn_ops.conv_prefill(
                 self._pad(qkv, batch), conv_rows[rows], batch.lengths, m.conv_weight, m.conv_bias
             )
@@ -750,12 +802,13 @@ class LeanModel:
                 batch.cu_seqlens, batch.cu_seqlens_cpu,
             )
             recurrent[rows] = final.to(recurrent.dtype)
-            return core, z
+            return h, core, z
         assert batch.taps is not None and batch.window_taps is not None and self.fla_step is not None
         windows = conv_rows[rows]
         if regions.compiled:
             _batch_dynamic(windows, batch.taps, batch.window_taps)
-        q, k, v, g, beta, z, windows = regions.gdn_prefill_in(layer, h, windows, batch.taps, batch.window_taps)
+        h, q, k, v, g, beta, z, windows = regions.gdn_prefill_in(prev, layer, h, mixed, gate, windows, batch.taps,
+                                                                 batch.window_taps)
         conv_rows[rows] = windows
         states = recurrent[rows]
         if batch.width <= self.recurrent_prefill_width and batch.ids.shape[0] <= self.recurrent_prefill_tokens:
@@ -766,7 +819,17 @@ class LeanModel:
             core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, states.float(), batch.cu_seqlens,
                                                        batch.cu_seqlens_cpu)
             recurrent[rows] = final.to(recurrent.dtype)
-        return core, z
+        return h, core, z
+
+
+def _triton_kernels(t: torch.Tensor) -> ModuleType | None:
+    """:mod:`miles_core.engine.triton_kernels` for tensors like ``t`` (GPU tensors, triton importable), else ``None``."""
+    if not t.is_cuda:
+        return None
+    try:
+        return importlib.import_module("miles_core.engine.triton_kernels")
+    except ImportError:
+        return None
 
 
 def _no_mark(*tensors: torch.Tensor) -> None:

@@ -155,33 +155,65 @@ def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype
     torch.testing.assert_close(in_place, by_copy)
 
 
+def _triton_kernels():
+    from miles_core.engine import lean_model
+
+    kernels = lean_model._triton_kernels(torch.empty(0, device="cuda"))
+    if kernels is None:
+        pytest.skip("triton does not import")
+    return kernels
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_triton_conv_step_equals_the_torch_one(with_bias: bool) -> None:
-    """The decode step's conv as one Triton kernel against the torch path it replaces
-    (``conv_decode``, SiLU, the q/k/v split), at the small-gpu shape with rows read from a slice of a
-    wider projection: the shifted windows are copies (equal), and the outputs agree to one bf16
-    rounding of the same fp32 sums (``assert_close``'s bf16 defaults; a wrong tap, weight or channel
-    would be far off)."""
+    """The decode step's conv and gates as one Triton kernel against the torch path it replaces
+    (``conv_decode``, SiLU, the q/k/v split; ``sigmoid(b)``, ``-exp(A_log) * softplus(a + dt_bias)``),
+    at the small-gpu shape with rows read from slices of a wider projection: the shifted windows are
+    copies (equal); q, k, v and beta agree to one bf16 rounding of the same fp32 values
+    (``assert_close``'s bf16 defaults; a wrong tap, weight, channel or head would be far off); g is
+    fp32 through exp and log1p, a few fp32 ulps apart (rtol 1e-5)."""
     import torch.nn.functional as F
 
     from miles_core.engine import gdn_ops
 
-    conv_step = gdn_ops.triton_conv_step(torch.empty(0, device="cuda"))
-    if conv_step is None:
-        pytest.skip("triton does not import")
+    kernels = _triton_kernels()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    n, key, value, taps = 48, 1024, 2048, 4
+    n, key, value, taps, heads = 48, 1024, 2048, 4, 16
     channels = 2 * key + value
     rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").bfloat16()  # noqa: E731
-    projection = rand(n, channels + 64)
+    projection = rand(n, channels + 2 * heads + 64) * 4  # softplus inputs past its threshold (20) too
     x = projection[:, 32 : 32 + channels]
+    b, a = projection[:, 32 + channels : 32 + channels + heads], projection[:, 32 + channels + heads : 32 + channels + 2 * heads]
+    a_log, dt_bias = rand(heads), rand(heads)
     slots = rand(8 + n, taps, channels)
     weight, bias = rand(channels, 1, taps)[:, 0], rand(channels) if with_bias else None
     by_torch, by_triton = slots.clone(), slots.clone()
     expected = F.silu(gdn_ops.conv_decode(x, by_torch[4 : 4 + n], weight, bias)).bfloat16()
-    q, k, v = conv_step(x, by_triton[4 : 4 + n], weight, bias, key)
+    q, k, v, g, beta = kernels.conv_step(x, b, a, by_triton[4 : 4 + n], weight, bias, a_log, dt_bias, key)
     assert torch.equal(by_triton, by_torch) and not torch.equal(by_triton, slots)
     torch.testing.assert_close(torch.cat([q, k, v], dim=1), expected)
+    torch.testing.assert_close(beta, torch.sigmoid(b))
+    torch.testing.assert_close(g, -a_log.float().exp() * F.softplus(a.float() + dt_bias), rtol=1e-5, atol=0)
+
+
+def test_triton_kv_write_equals_the_indexed_assignment() -> None:
+    """Keys and values read from strided views (as the attention region returns them) land where
+    two indexed assignments put them, and nowhere else (a bit copy: equal)."""
+    kernels = _triton_kernels()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").bfloat16()  # noqa: E731
+    tokens, heads, kv_heads, dim = 37, 8, 2, 128
+    qk = rand(tokens, heads + kv_heads, dim)
+    k = qk[:, heads:]
+    v = rand(tokens, (heads + 2 * kv_heads) * dim)[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)
+    rows = torch.randint(0, 6, (tokens,), generator=gen, device="cuda")
+    positions = torch.randperm(64, generator=gen, device="cuda")[:tokens]  # distinct: no two writes collide
+    keys, values = rand(6, kv_heads, 64, dim), rand(6, kv_heads, 64, dim)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[rows, :, positions] = k
+    expected_values[rows, :, positions] = v
+    kernels.kv_write(keys, values, k, v, rows, positions)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
 
 
 @pytest.mark.parametrize("overlap_steps", [True, False])

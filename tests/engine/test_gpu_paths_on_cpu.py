@@ -351,8 +351,10 @@ def test_compiled_decode_regions_trace_once_per_layer_kind_and_equal_the_plain_s
     plain = decode_steps(compiled=False)
     assert counters["stats"]["unique_graphs"] == 0
     compiled = decode_steps(compiled=True)
-    # gdn project (prefill) / in (decode) / rest, attention in / rest, logits: prefill and decode
-    # share the token-wise regions
+    # a region finishes the previous layer and starts the next: decode traces gdn_in after nothing
+    # (layer 0) and after attention (layer 2), attention_in after GDN (layers 1 and 3), logits after
+    # attention; the padded prefill adds gdn_project after nothing and after attention and shares
+    # attention_in (its logits run plain)
     assert counters["stats"]["unique_graphs"] == 6
     assert _close(compiled, plain) <= 1e-5
     torch._dynamo.reset()
