@@ -584,10 +584,9 @@ class LeanModel:
         rows = self.arange[:n]
         cos, sin = self.cos[positions], self.sin[positions]
         allowed = self.arange[:span] <= positions[:, None]  # [n, span]
-        if self.sdpa:  # SDPA's additive mask, once for all layers (a boolean one is converted in every call)
-            mask = torch.where(allowed, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]
-        else:  # additive bias for the batched-matmul attention below
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
+        # additive, once for all layers: SDPA's in the model's dtype (it converts a boolean mask in every
+        # call), the batched-matmul attention's in fp32
+        mask = _additive_mask(allowed, self.dtype)[:, None, None, :] if self.sdpa else _additive_mask(allowed, torch.float32)
         h = F.embedding(ids, self.embed.weight)
         mark = _batch_dynamic if regions.compiled else _no_mark
         mark(h, cos, sin)
@@ -613,13 +612,8 @@ class LeanModel:
             else:
                 h, q, k, v, gate = regions.attention_in(prev, layer, h, mixed, gate, cos, sin, self.rotate)
                 keys, values = state.keys[m.index], state.values[m.index]
-                if state.keys_transposed:
-                    keys[rows, :, :, positions] = k
-                    span_keys = keys[:n, :, :, :span]
-                    values[rows, :, positions] = v
-                else:
-                    self._write_kv(keys, values, k, v, rows, positions)
-                    span_keys = keys[:n, :, :span]
+                self._write_kv(keys, values, k, v, rows, positions, state.keys_transposed)
+                span_keys = keys[:n, :, :, :span] if state.keys_transposed else keys[:n, :, :span]
                 mixed = self._decode_attention(m, q, span_keys, values[:n, :, :span], mask, state.keys_transposed)
             mark(h, mixed, *(() if gate is None else (gate,)))
             prev = layer
@@ -627,14 +621,18 @@ class LeanModel:
         return regions.logits(prev, self.final_norm, self.lm_head.weight, h, mixed, gate)
 
     def _write_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Keys and values ``[T, kvH, D]`` of tokens ``t`` into ``[rows[t], :, positions[t]]`` of the
-        (untransposed) caches: one Triton kernel on a GPU, two indexed assignments elsewhere."""
-        if self.kernels is not None:
+                  rows: torch.Tensor, positions: torch.Tensor, keys_transposed: bool) -> None:
+        """Keys and values ``[T, kvH, D]`` of tokens ``t`` into position ``positions[t]`` of row
+        ``rows[t]`` of the caches (keys ``[rows, kvH, D, capacity]`` when transposed): one Triton
+        kernel on a GPU, two indexed assignments elsewhere."""
+        if self.kernels is not None and not keys_transposed:
             self.kernels.kv_write(keys, values, k, v, rows, positions)
+            return
+        if keys_transposed:
+            keys[rows, :, :, positions] = k
         else:
             keys[rows, :, positions] = k
-            values[rows, :, positions] = v
+        values[rows, :, positions] = v
 
     def _decode_attention(self, m: _Attention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           mask: torch.Tensor, keys_transposed: bool) -> torch.Tensor:
@@ -715,11 +713,7 @@ class LeanModel:
             else:
                 h, q, k, v, gate = regions.attention_in(prev, layer, h, mixed, gate, cos, sin, self.rotate)
                 keys, values = state.keys[m.index], state.values[m.index]
-                if state.keys_transposed:
-                    keys[batch.token_rows, :, :, batch.positions] = k
-                    values[batch.token_rows, :, batch.positions] = v
-                else:
-                    self._write_kv(keys, values, k, v, batch.token_rows, batch.positions)
+                self._write_kv(keys, values, k, v, batch.token_rows, batch.positions, state.keys_transposed)
                 mixed = self._prefill_attention(m, self._pad(q, batch), keys, values, batch, state.keys_transposed)
             mark(h, mixed, *(() if gate is None else (gate,)))
             prev = layer
@@ -761,11 +755,11 @@ class LeanModel:
             segments, width, span = batch.rows.shape[0], batch.width, batch.keys
             q_pos = batch.starts[:, None] + self.arange[:width][None, :]
             allowed = self.arange[:span][None, None, :] <= q_pos[:, :, None]  # [S, L, span]
-            if rep:  # additive, converted once for all layers (SDPA converts a boolean mask in every call)
-                mask = torch.where(allowed, 0.0, float("-inf")).to(self.dtype)
+            if rep:  # additive: SDPA converts a boolean mask in every call
+                mask = _additive_mask(allowed, self.dtype)
                 mask = mask[:, None].expand(segments, rep, width, span).reshape(segments, 1, rep * width, span)
             else:
-                mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device).masked_fill_(~allowed, float("-inf"))
+                mask = _additive_mask(allowed, torch.float32)
             batch.masks[rep] = mask
         return mask
 
@@ -830,6 +824,11 @@ def _triton_kernels(t: torch.Tensor) -> ModuleType | None:
         return importlib.import_module("miles_core.engine.triton_kernels")
     except ImportError:
         return None
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, ``-inf`` elsewhere, in ``dtype``."""
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype)
 
 
 def _no_mark(*tensors: torch.Tensor) -> None:
