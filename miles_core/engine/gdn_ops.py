@@ -116,8 +116,9 @@ def conv_prefill(
     return out, full.gather(1, index).to(conv.dtype)
 
 
-#: ``(q, k, v, g, beta, state, cu_seqlens=None) -> out``: the recurrence over one token per row
-#: (decode) or over packed segments (``cu_seqlens``), ``state`` (one per row or segment) updated in place
+#: ``(q, k, v, g, beta, state, cu_seqlens=None, fresh=False) -> out``: the recurrence over one token
+#: per row (decode) or over packed segments (``cu_seqlens``), ``state`` (one per row or segment)
+#: updated in place; ``fresh``: every segment starts from a zero state (``state`` is not read)
 FlaStep = Callable[..., torch.Tensor]
 
 
@@ -175,10 +176,10 @@ PREFILL_TILE = (16, 1)
 
 def _fla_in_place(
     kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    state: torch.Tensor, cu_seqlens: torch.Tensor | None = None, fresh: bool = False,
 ) -> torch.Tensor:
     if not state.is_contiguous():
-        return _fla_entry_point(q, k, v, g, beta, state, cu_seqlens)
+        return _fla_entry_point(q, k, v, g, beta, state, cu_seqlens, fresh)
     # fla's kernel with the state as both its initial and its final state: each program loads one
     # [K, BV] tile of one row's (or segment's) state, runs its tokens and stores the tile where it
     # read it, and no two programs share a tile, so updating in place is exact and moves the state
@@ -191,7 +192,7 @@ def _fla_in_place(
     out = torch.empty((tokens, hv, dv), dtype=v.dtype, device=v.device)
     kernel[(-(-dv // block_v) * sequences * hv,)](
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), gk=None, gv=None,
-        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=state, ht=state, cu_seqlens=cu_seqlens,
+        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=None if fresh else state, ht=state, cu_seqlens=cu_seqlens,
         scale=dk**-0.5, T=1 if cu_seqlens is None else tokens, H=hk, HV=hv, K=dk, V=dv,
         BK=1 << (dk - 1).bit_length(), BV=block_v, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
         APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=warps, num_stages=1,
@@ -201,7 +202,7 @@ def _fla_in_place(
 
 def _fla_entry_point(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, fresh: bool = False,
 ) -> torch.Tensor:
     """The same recurrence through fla's public entry point, which returns a new final state (one
     more read and write of every state); the arguments transformers' GDN layer passes it. Decode
@@ -209,7 +210,8 @@ def _fla_entry_point(
     unsqueeze = (lambda t: t[:, None]) if cu_seqlens is None else (lambda t: t[None])
     out, final = require_fla_ops().fused_recurrent_gated_delta_rule(
         q=unsqueeze(q), k=unsqueeze(k), v=unsqueeze(v), g=unsqueeze(g), beta=unsqueeze(beta),
-        scale=k.shape[-1] ** -0.5, initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        scale=k.shape[-1] ** -0.5, initial_state=None if fresh else state.float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
         **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}),
     )
     state.copy_(final)
@@ -290,11 +292,11 @@ def conv_prefill_taps(
 
 
 def chunk_prefill_packed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None,
     cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunk_prefill` on packed segments through fla's chunked kernel: ``q``/``k`` ``[T, Hk,
-    Dk]``, ``v`` ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32.
+    Dk]``, ``v`` ``[T, Hv, Dv]``, ``g``/``beta`` ``[T, Hv]``, ``state`` ``[S, Hv, Dk, Dv]`` fp32 (``None``: zeros).
     Returns the output ``[T, Hv, Dv]`` and the final states ``[S, Hv, Dk, Dv]`` (fp32). (Short
     segments take fla's recurrent kernel instead: :func:`fla_recurrent_step` with ``cu_seqlens``.)"""
     out, final = require_fla_ops().chunk_gated_delta_rule(
@@ -311,7 +313,7 @@ def chunk_prefill(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    state: torch.Tensor,
+    state: torch.Tensor | None,
     packed_index: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor | None = None,
@@ -319,7 +321,7 @@ def chunk_prefill(
     """The chunked gated delta rule over right-padded segments.
 
     ``q``/``k`` ``[S, L, Hk, Dk]``, ``v`` ``[S, L, Hv, Dv]``, ``g``/``beta`` ``[S, L, Hv]``, ``state``
-    ``[S, Hv, Dk, Dv]`` fp32 (each segment's initial state), zero ``g`` and ``beta`` in the padding;
+    ``[S, Hv, Dk, Dv]`` fp32 (each segment's initial state; ``None``: zeros), zero ``g`` and ``beta`` in the padding;
     ``packed_index`` ``[T]`` the flat positions of the real tokens in ``S * L``. Returns the output of the real tokens,
     packed ``[T, Hv, Dv]``, and the final states ``[S, Hv, Dk, Dv]`` (fp32).
 

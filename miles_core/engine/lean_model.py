@@ -441,6 +441,12 @@ class Prefill:
     #: (:func:`gdn_ops.conv_taps`; packed GDN prefill only)
     taps: torch.Tensor | None
     window_taps: torch.Tensor | None
+    #: every segment starts at position 0: the recurrence starts from zero states and never reads
+    #: the rows' stored ones (a fresh row's stored state is whatever its last sequence left)
+    fresh: bool
+    #: the rows that start at position 0 beside rows that continue (their stored recurrent states
+    #: are zeroed before the first layer), else ``None``
+    restarts: torch.Tensor | None
     #: causal masks built by the first attention layer, for the others (see ``_prefill_mask``)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -683,21 +689,26 @@ class LeanModel:
             taps = gdn_ops.conv_taps(cu_seqlens, cu[-1], self.conv_kernel)
             window_taps = taps[last_t]
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        restarts = [row for row, start in zip(rows, starts) if start == 0]
         return Prefill(
             ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=tensor(lengths),
             packed_index=tensor(packed_index), last=last_t, cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(cu),
             width=width, keys=max(s + n for s, n in zip(starts, lengths)), token_rows=tensor(token_rows),
             row_span=(rows[0], rows[0] + len(rows)) if consecutive else None, taps=taps, window_taps=window_taps,
+            fresh=len(restarts) == len(rows), restarts=tensor(restarts) if 0 < len(restarts) < len(rows) else None,
         )
 
     def prefill(self, state: SlotState, batch: Prefill) -> torch.Tensor:
         """Run the batch's chunks into their rows; logits ``[S, vocab]`` (fp32) at each segment's last token.
 
-        The rows' state before the chunk is their state after ``starts[i]`` tokens (fresh rows must
-        have been reset). ``state.lengths`` of the rows become ``start + length``. The token-wise
-        work goes through the decode step's regions (compiled ones too, the token axis dynamic),
+        The rows' state before the chunk is their state after ``starts[i]`` tokens; a chunk from
+        position 0 starts from a zero recurrent state whatever its row holds (its conv window must
+        have been reset: :meth:`SlotState.reset_rows`). ``state.lengths`` of the rows become
+        ``start + length``. The token-wise work goes through the decode step's regions (compiled ones too, the token axis dynamic),
         except for a single token, which a compiled region would trace again for size 1.
         """
+        if batch.restarts is not None:
+            state.recurrent.index_fill_(1, batch.restarts, 0)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         h = F.embedding(batch.ids, self.embed.weight)
         regions = self.regions if h.shape[0] > 1 else _PLAIN
@@ -792,8 +803,8 @@ class LeanModel:
             conv_rows[rows] = windows
             q, k, v = _conv_qkv(m, out, self.dtype)  # [S, L, ...]
             core, final = gdn_ops.chunk_prefill(
-                q, k, v, self._pad(g, batch), self._pad(beta, batch), recurrent[rows].float(), batch.packed_index,
-                batch.cu_seqlens, batch.cu_seqlens_cpu,
+                q, k, v, self._pad(g, batch), self._pad(beta, batch), None if batch.fresh else recurrent[rows].float(),
+                batch.packed_index, batch.cu_seqlens, batch.cu_seqlens_cpu,
             )
             recurrent[rows] = final.to(recurrent.dtype)
             return h, core, z
@@ -804,14 +815,16 @@ class LeanModel:
         h, q, k, v, g, beta, z, windows = regions.gdn_prefill_in(prev, layer, h, mixed, gate, windows, batch.taps,
                                                                  batch.window_taps)
         conv_rows[rows] = windows
-        states = recurrent[rows]
         if batch.width <= self.recurrent_prefill_width and batch.ids.shape[0] <= self.recurrent_prefill_tokens:
-            core = self.fla_step(q, k, v, g, beta, states, batch.cu_seqlens)  # states updated in place
-            if batch.row_span is None:  # they were a gathered copy
+            # a slice of the slot tensor is updated in place; gathered rows are a copy, written back
+            states = recurrent[rows] if batch.row_span or not batch.fresh else recurrent.new_empty(
+                (batch.rows.shape[0], *recurrent.shape[1:]))
+            core = self.fla_step(q, k, v, g, beta, states, batch.cu_seqlens, fresh=batch.fresh)
+            if batch.row_span is None:
                 recurrent[rows] = states
         else:
-            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, states.float(), batch.cu_seqlens,
-                                                       batch.cu_seqlens_cpu)
+            initial = None if batch.fresh else recurrent[rows].float()
+            core, final = gdn_ops.chunk_prefill_packed(q, k, v, g, beta, initial, batch.cu_seqlens, batch.cu_seqlens_cpu)
             recurrent[rows] = final.to(recurrent.dtype)
         return h, core, z
 

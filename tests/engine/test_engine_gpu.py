@@ -121,9 +121,10 @@ def test_lean_and_hf_runners_on_gpu_match_a_teacher_forced_forward(cache) -> Non
                 assert (expected - torch.tensor(completion.logprobs)).abs().max() <= logprob_tolerance("cuda")
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype, packed: bool) -> None:
+def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype, packed: bool, fresh: bool) -> None:
     """Decode (one token per row) and a packed prefill (segments of 1-40 tokens, ``cu_seqlens``) run
     fla's kernel with the states as their own final states, here rows 2-5 of eight (a slice, as the
     engine passes consecutive rows); the public entry point (new final states, copied back) runs the
@@ -131,7 +132,9 @@ def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype
     columns), which changes only the order of the fp32 sums over the key axis: states agree to
     their dtype's rounding and outputs to one bf16 rounding (``assert_close``'s defaults for those
     dtypes); tiles that overlapped would be far off, and the other rows must stay as they were. A
-    bf16 state is loaded into fp32 and rounded once on the way back by both."""
+    bf16 state is loaded into fp32 and rounded once on the way back by both. ``fresh`` (a prefill of
+    rows starting over): the step must not read the rows' stale states (NaN here) and equals the
+    entry point given zero states."""
     from miles_core.engine import gdn_ops
 
     if gdn_ops.fla_ops() is None or gdn_ops._fla_recurrent_kernel() is None:
@@ -147,7 +150,9 @@ def test_in_place_recurrent_step_equals_fla_entry_point(state_dtype: torch.dtype
     beta = torch.rand(tokens, hv, generator=gen, device="cuda").bfloat16()
     slots = rand(8, hv, dk, dv).to(state_dtype)
     in_place, by_copy = slots.clone(), slots.clone()
-    out = gdn_ops.fla_recurrent_step()(qk[:, :hk], qk[:, hk:], v, g, beta, in_place[2:6], cu)
+    if fresh:
+        in_place[2:6], by_copy[2:6] = float("nan"), 0.0
+    out = gdn_ops.fla_recurrent_step()(qk[:, :hk], qk[:, hk:], v, g, beta, in_place[2:6], cu, fresh=fresh)
     expected = gdn_ops._fla_entry_point(qk[:, :hk], qk[:, hk:], v, g, beta, by_copy[2:6], cu)
     assert not torch.equal(in_place[2:6], slots[2:6])  # the step did update the states
     assert torch.equal(in_place[:2], slots[:2]) and torch.equal(in_place[6:], slots[6:])

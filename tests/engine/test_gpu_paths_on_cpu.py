@@ -80,7 +80,8 @@ def _run(model, *, sdpa: bool = False, chunk: int | None = None, steps: int = 6,
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     assert len(a) == len(b)
-    return max(float((x.log_softmax(-1) - y.log_softmax(-1)).abs().max()) for x, y in zip(a, b))
+    # torch's max, not Python's: a NaN anywhere makes the result NaN (Python's max may skip it)
+    return float(torch.stack([(x.log_softmax(-1) - y.log_softmax(-1)).abs().max() for x, y in zip(a, b)]).max())
 
 
 def test_the_cuda_attention_and_norm_branches_equal_the_cpu_ones(tiny_model) -> None:
@@ -102,10 +103,21 @@ class _FlaStandIn:
         self.chunk = defined_function(modeling_qwen3_5.torch_chunk_gated_delta_rule, "torch_chunk_gated_delta_rule")
         assert self.recurrent is not None and self.chunk is not None
         self.calls: list[str] = []
+        self.zero_starts = 0  # calls without an initial state (fla's zeros)
+
+    def _initial(self, initial_state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """fla's reading of ``initial_state=None``: a zero state for every sequence."""
+        if initial_state is not None:
+            return initial_state
+        self.zero_starts += 1
+        n = v.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        return v.new_zeros((n, v.shape[-2], k.shape[-1], v.shape[-1]), dtype=torch.float32)
 
     def fused_recurrent_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
                                          use_qk_l2norm_in_kernel, cu_seqlens=None):
         assert scale == k.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel
+        initial_state = self._initial(initial_state, k, v, cu_seqlens)
         assert initial_state.dtype == torch.float32
         q, k = _grouped_value_heads(q, k, v)
         if cu_seqlens is None:  # decode: one token for each of a batch of rows
@@ -126,6 +138,7 @@ class _FlaStandIn:
 
     def chunk_gated_delta_rule(self, *, q, k, v, g, beta, scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu=None):
+        initial_state = self._initial(initial_state, k, v, cu_seqlens)
         assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and len(cu_seqlens) - 1 == initial_state.shape[0]
         assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
         self.calls.append("chunk")
@@ -184,6 +197,49 @@ def test_rows_out_of_order_are_gathered_and_scattered(tiny_model, monkeypatch) -
     for width in (0, 30):
         monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", width)
         assert _close(_run(tiny_model, chunk=24, perm=perm), reference) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fla chunked", "fla recurrent"])
+def test_rows_starting_over_never_read_their_stale_recurrent_states(tiny_model, monkeypatch, kernel: str) -> None:
+    """``reset_rows`` leaves a row's recurrent state as its last sequence left it (zeroing it costs a
+    write of 18.9 MB a row in ``small-gpu``, and reading it back as much again), so a prefill from
+    position 0 must not read it: in a batch of fresh rows fla is asked for zero initial states, and
+    beside a row that continues the fresh rows are zeroed first. Stale states of NaN give the logits
+    of clean ones; the control: a continuing row's NaN state does reach its logits."""
+    from miles_core.engine import lean_model
+
+    stand_in = None
+    if kernel != "torch":
+        stand_in = _use_fla_stand_in(monkeypatch)
+        monkeypatch.setattr(lean_model, "RECURRENT_PREFILL_WIDTH", 0 if kernel == "fla chunked" else 64)
+    lean = LeanModel(tiny_model, max_model_len=128)
+    assert lean.packed_gdn_prefill == (stand_in is not None)
+    first, continued, fresh = PROMPTS[2][:10], PROMPTS[2][10:30], PROMPTS[3]
+
+    def run(stale: list[int]) -> list[torch.Tensor]:
+        """Rows 0 and 1 start ``first`` and ``PROMPTS[1]``, then row 0 continues beside row 2
+        starting ``fresh``; rows in ``stale`` hold NaN states from an earlier sequence."""
+        state = SlotState(lean.state_shapes(), max_slots=3, staging=0, max_model_len=128, dtype=torch.float32,
+                          device=torch.device("cpu"), keys_transposed=True)
+        with torch.inference_mode():
+            state.recurrent[:, stale] = float("nan")
+            state.reset_rows([0, 1, 2])
+            out = [lean.prefill(state, lean.prefill_batch([0, 1], [0, 0], [first, PROMPTS[1]]))]
+            out.append(lean.prefill(state, lean.prefill_batch([0, 2], [len(first), 0], [continued, fresh])))
+        return out
+
+    clean = run([])
+    assert stand_in is None or stand_in.zero_starts > 0  # the first batch handed fla no initial state
+    assert _close(run([0, 1, 2]), clean) == 0.0
+    control = run([])
+    with torch.inference_mode():  # a continuing row's state is read: NaN there reaches its logits
+        state = SlotState(lean.state_shapes(), max_slots=3, staging=0, max_model_len=128, dtype=torch.float32,
+                          device=torch.device("cpu"), keys_transposed=True)
+        state.reset_rows([0, 1, 2])
+        lean.prefill(state, lean.prefill_batch([0, 1], [0, 0], [first, PROMPTS[1]]))
+        state.recurrent[:, 0] = float("nan")
+        poisoned = lean.prefill(state, lean.prefill_batch([0, 2], [len(first), 0], [continued, fresh]))
+    assert poisoned[0].isnan().all() and torch.equal(poisoned[1], control[1][1])
 
 
 def test_packed_conv_taps_equal_the_padded_conv() -> None:
