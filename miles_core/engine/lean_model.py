@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from miles_core.engine import gdn_ops
 from miles_core.engine.state import SlotState, StateShapes
+from miles_core.hardware.devices import device_supports
 
 #: a packed prefill runs the GDN recurrence through fla's recurrent kernel when its segments are at
 #: most this long and it has at most RECURRENT_PREFILL_TOKENS tokens (see
@@ -521,6 +522,7 @@ class LeanModel:
         #: attention through SDPA (CUDA: fp32 softmax and accumulation) or batched matmuls (CPU)
         on_accelerator = self.device.type != "cpu"
         self.sdpa = on_accelerator
+        self.pinned_copies = device_supports(self.device, "pinned_memory_async_copy")
         self.fla_step = gdn_ops.fla_recurrent_step() if gdn_ops.use_fla(param) else None
         #: Triton kernels for GPU tensors (:mod:`miles_core.engine.triton_kernels`: the decode step's GDN
         #: conv and gates, the KV cache writes), else ``None`` (torch)
@@ -682,21 +684,33 @@ class LeanModel:
             packed_index.extend(range(s * width, s * width + len(chunk)))
             cu.append(cu[-1] + len(chunk))
             last.append(cu[-1] - 1)
-        tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        cu_seqlens, last_t = tensor(cu), tensor(last)
+        restarts = [row for row, start in zip(rows, starts) if start == 0]
+        fresh = len(restarts) == len(rows)
+        (ids_t, positions_t, rows_t, starts_t, lengths_t, packed_index_t, last_t, cu_seqlens, token_rows_t,
+         restarts_t) = self._on_device(ids, positions, rows, starts, lengths, packed_index, last, cu, token_rows,
+                                       [] if fresh else restarts)
         taps = window_taps = None
         if self.packed_gdn_prefill and self.conv_kernel:
             taps = gdn_ops.conv_taps(cu_seqlens, cu[-1], self.conv_kernel)
             window_taps = taps[last_t]
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        restarts = [row for row, start in zip(rows, starts) if start == 0]
         return Prefill(
-            ids=tensor(ids), positions=tensor(positions), rows=tensor(rows), starts=tensor(starts), lengths=tensor(lengths),
-            packed_index=tensor(packed_index), last=last_t, cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(cu),
-            width=width, keys=max(s + n for s, n in zip(starts, lengths)), token_rows=tensor(token_rows),
+            ids=ids_t, positions=positions_t, rows=rows_t, starts=starts_t, lengths=lengths_t,
+            packed_index=packed_index_t, last=last_t, cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(cu),
+            width=width, keys=max(s + n for s, n in zip(starts, lengths)), token_rows=token_rows_t,
             row_span=(rows[0], rows[0] + len(rows)) if consecutive else None, taps=taps, window_taps=window_taps,
-            fresh=len(restarts) == len(rows), restarts=tensor(restarts) if 0 < len(restarts) < len(rows) else None,
+            fresh=fresh, restarts=restarts_t if 0 < len(restarts) < len(rows) else None,
         )
+
+    def _on_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """``lists`` as int64 tensors on the model's device, through one copy (from pinned memory,
+        asynchronous, where the device does that: a copy from pageable memory waits for the queued kernels)."""
+        flat = torch.tensor([x for values in lists for x in values], dtype=torch.long)
+        if self.pinned_copies:
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        else:
+            flat = flat.to(self.device)
+        return flat.split([len(values) for values in lists])
 
     def prefill(self, state: SlotState, batch: Prefill) -> torch.Tensor:
         """Run the batch's chunks into their rows; logits ``[S, vocab]`` (fp32) at each segment's last token.
