@@ -684,11 +684,11 @@ class LeanModel:
             packed_index.extend(range(s * width, s * width + len(chunk)))
             cu.append(cu[-1] + len(chunk))
             last.append(cu[-1] - 1)
-        restarts = [row for row, start in zip(rows, starts) if start == 0]
-        fresh = len(restarts) == len(rows)
+        new_rows = [row for row, start in zip(rows, starts) if start == 0]
+        fresh = len(new_rows) == len(rows)
+        restarts = [] if fresh else new_rows  # new rows beside continuing ones
         (ids_t, positions_t, rows_t, starts_t, lengths_t, packed_index_t, last_t, cu_seqlens, token_rows_t,
-         restarts_t) = self._on_device(ids, positions, rows, starts, lengths, packed_index, last, cu, token_rows,
-                                       [] if fresh else restarts)
+         restarts_t) = self._on_device(ids, positions, rows, starts, lengths, packed_index, last, cu, token_rows, restarts)
         taps = window_taps = None
         if self.packed_gdn_prefill and self.conv_kernel:
             taps = gdn_ops.conv_taps(cu_seqlens, cu[-1], self.conv_kernel)
@@ -699,7 +699,7 @@ class LeanModel:
             packed_index=packed_index_t, last=last_t, cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(cu),
             width=width, keys=max(s + n for s, n in zip(starts, lengths)), token_rows=token_rows_t,
             row_span=(rows[0], rows[0] + len(rows)) if consecutive else None, taps=taps, window_taps=window_taps,
-            fresh=fresh, restarts=restarts_t if 0 < len(restarts) < len(rows) else None,
+            fresh=fresh, restarts=restarts_t if restarts else None,
         )
 
     def _on_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
@@ -718,8 +718,9 @@ class LeanModel:
         The rows' state before the chunk is their state after ``starts[i]`` tokens; a chunk from
         position 0 starts from a zero recurrent state whatever its row holds (its conv window must
         have been reset: :meth:`SlotState.reset_rows`). ``state.lengths`` of the rows become
-        ``start + length``. The token-wise work goes through the decode step's regions (compiled ones too, the token axis dynamic),
-        except for a single token, which a compiled region would trace again for size 1.
+        ``start + length``. The token-wise work goes through the decode step's regions (compiled
+        ones too, the token axis dynamic), except for a single token, which a compiled region would
+        trace again for size 1.
         """
         if batch.restarts is not None:
             state.recurrent.index_fill_(1, batch.restarts, 0)
@@ -830,9 +831,10 @@ class LeanModel:
                                                                  batch.window_taps)
         conv_rows[rows] = windows
         if batch.width <= self.recurrent_prefill_width and batch.ids.shape[0] <= self.recurrent_prefill_tokens:
-            # a slice of the slot tensor is updated in place; gathered rows are a copy, written back
-            states = recurrent[rows] if batch.row_span or not batch.fresh else recurrent.new_empty(
-                (batch.rows.shape[0], *recurrent.shape[1:]))
+            if batch.row_span or not batch.fresh:  # a slice is updated in place, gathered rows are a copy
+                states = recurrent[rows]
+            else:  # written by the kernel, never read: no gather of stale states
+                states = recurrent.new_empty((batch.rows.shape[0], *recurrent.shape[1:]))
             core = self.fla_step(q, k, v, g, beta, states, batch.cu_seqlens, fresh=batch.fresh)
             if batch.row_span is None:
                 recurrent[rows] = states
