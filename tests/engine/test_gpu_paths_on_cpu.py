@@ -216,30 +216,25 @@ def test_rows_starting_over_never_read_their_stale_recurrent_states(tiny_model, 
     assert lean.packed_gdn_prefill == (stand_in is not None)
     first, continued, fresh = PROMPTS[2][:10], PROMPTS[2][10:30], PROMPTS[3]
 
-    def run(stale: list[int]) -> list[torch.Tensor]:
+    def run(stale: list[int], stale_between: tuple[int, ...] = ()) -> list[torch.Tensor]:
         """Rows 0 and 1 start ``first`` and ``PROMPTS[1]``, then row 0 continues beside row 2
-        starting ``fresh``; rows in ``stale`` hold NaN states from an earlier sequence."""
+        starting ``fresh``; rows in ``stale`` hold NaN states from an earlier sequence, rows in
+        ``stale_between`` get NaN states between the two batches."""
         state = SlotState(lean.state_shapes(), max_slots=3, staging=0, max_model_len=128, dtype=torch.float32,
                           device=torch.device("cpu"), keys_transposed=True)
         with torch.inference_mode():
             state.recurrent[:, stale] = float("nan")
             state.reset_rows([0, 1, 2])
             out = [lean.prefill(state, lean.prefill_batch([0, 1], [0, 0], [first, PROMPTS[1]]))]
+            state.recurrent[:, list(stale_between)] = float("nan")
             out.append(lean.prefill(state, lean.prefill_batch([0, 2], [len(first), 0], [continued, fresh])))
         return out
 
     clean = run([])
     assert stand_in is None or stand_in.zero_starts > 0  # the first batch handed fla no initial state
     assert _close(run([0, 1, 2]), clean) == 0.0
-    control = run([])
-    with torch.inference_mode():  # a continuing row's state is read: NaN there reaches its logits
-        state = SlotState(lean.state_shapes(), max_slots=3, staging=0, max_model_len=128, dtype=torch.float32,
-                          device=torch.device("cpu"), keys_transposed=True)
-        state.reset_rows([0, 1, 2])
-        lean.prefill(state, lean.prefill_batch([0, 1], [0, 0], [first, PROMPTS[1]]))
-        state.recurrent[:, 0] = float("nan")
-        poisoned = lean.prefill(state, lean.prefill_batch([0, 2], [len(first), 0], [continued, fresh]))
-    assert poisoned[0].isnan().all() and torch.equal(poisoned[1], control[1][1])
+    poisoned = run([], stale_between=(0,))[1]  # a continuing row's state is read: NaN there reaches its logits
+    assert poisoned[0].isnan().all() and torch.equal(poisoned[1], clean[1][1])
 
 
 def test_packed_conv_taps_equal_the_padded_conv() -> None:
