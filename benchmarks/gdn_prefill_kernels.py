@@ -10,9 +10,12 @@ a new final state, fla's tile), alternated call by call. One JSON line per range
 time of a call (to return), its wall time (to a sync) and its GPU time (20 calls queued behind a
 sleep kernel, so the host cannot be the bound), for each; ``ratio`` = the engine's recurrent wall /
 chunked wall (below 1: the recurrent kernel is faster); and the largest differences of outputs
-and final states between the chunked and the engine's recurrent run. Needs CUDA and fla.
+and final states between the chunked and the engine's recurrent run. ``--fresh``: every segment
+starts over (a batch of new requests): no initial state for fla's two entry points, ``fresh=True``
+for the engine's step (whose stored states then hold NaN, which must not reach its outputs). Needs
+CUDA and fla.
 
-    python benchmarks/gdn_prefill_kernels.py [--ranges 16-48 100-300 500-1500] [--segments 64]
+    python benchmarks/gdn_prefill_kernels.py [--ranges 16-48 100-300 500-1500] [--segments 64] [--fresh]
 """
 
 from __future__ import annotations
@@ -83,17 +86,19 @@ def measure(lo: int, hi: int, args: argparse.Namespace) -> dict[str, Any]:
     g = -0.5 * torch.rand(1, tokens, args.value_heads, device="cuda")
     beta = torch.rand(1, tokens, args.value_heads, **bf16)
     initial = 0.1 * torch.randn(args.segments, args.value_heads, args.head_dim, args.head_dim, device="cuda")
-    common = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": args.head_dim**-0.5, "initial_state": initial,
+    common = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": args.head_dim**-0.5,
+              "initial_state": None if args.fresh else initial,
               "output_final_state": True, "use_qk_l2norm_in_kernel": True, "cu_seqlens": cu_seqlens}
 
     def chunked() -> tuple[torch.Tensor, torch.Tensor]:
         return chunk_gated_delta_rule(**common, cu_seqlens_cpu=cu_seqlens_cpu)
 
     step = gdn_ops.fla_recurrent_step()
-    states = initial.clone()
+    stored = torch.full_like(initial, float("nan")) if args.fresh else initial
+    states = stored.clone()
 
     def recurrent() -> tuple[torch.Tensor, torch.Tensor]:  # the timed calls keep updating one set of states
-        return step(q[0], k[0], v[0], g[0], beta[0], states, cu_seqlens), states
+        return step(q[0], k[0], v[0], g[0], beta[0], states, cu_seqlens, fresh=args.fresh), states
 
     def fla_recurrent() -> tuple[torch.Tensor, torch.Tensor]:
         return fused_recurrent_gated_delta_rule(**common)
@@ -109,11 +114,11 @@ def measure(lo: int, hi: int, args: argparse.Namespace) -> dict[str, Any]:
             samples[name]["host"].append(host)
             samples[name]["wall"].append(wall)
             samples[name]["gpu"].append(_gpu_ms(fn, args.calls))
-    states.copy_(initial)
+    states.copy_(stored)
     (out_c, final_c), (out_r, final_r) = chunked(), recurrent()
     torch.cuda.synchronize()
     result: dict[str, Any] = {"benchmark": "gdn_prefill_kernels", "segments": args.segments, "lengths": f"{lo}-{hi}",
-                              "tokens": tokens}
+                              "tokens": tokens, "fresh": args.fresh}
     for name, by_kind in samples.items():
         for kind, values in by_kind.items():
             result[f"{name}_{kind}_ms"] = round(statistics.median(values), 4)
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="key and value head dim (default: small-gpu's 128)")
     parser.add_argument("--calls", type=int, default=20, help="timed calls per kernel and round (default: 20)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--fresh", action="store_true", help="every segment starts over (no initial state)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if min(args.segments, args.key_heads, args.value_heads, args.head_dim, args.calls, args.rounds) < 1:

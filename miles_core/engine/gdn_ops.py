@@ -159,7 +159,30 @@ def fla_recurrent_step() -> FlaStep:
     fla's kernel takes the parameters this module passes, else through fla's public entry point."""
     require_fla_ops()
     kernel = _fla_recurrent_kernel()
-    return _fla_entry_point if kernel is None else functools.partial(_fla_in_place, kernel)
+    return _fla_entry_point if kernel is None else functools.partial(_fla_in_place, kernel, _ZeroStates())
+
+
+class _ZeroStates:
+    """Zero initial states for segments that start over, read by fla's kernel and never written.
+
+    Given no initial state, fla's kernel starts from a zero tile in registers, and Triton compiles
+    that variant into a slower loop: a prefill of 64 segments (16-48 tokens, small-gpu shapes, this
+    module's tile) took 495 us a layer without an initial state and 266 us loading one of zeros
+    (fp32 states; bf16 476 / 270 us; 100-300 tokens 3.0 / 1.5 ms; H100, 2026-12-07). Loading zeros
+    costs one read of a buffer that every layer shares; clearing the rows' own states first would
+    also write them. ``benchmarks/gdn_prefill_kernels.py --fresh`` times the step against fla's
+    entry point given no initial state."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def like(self, states: torch.Tensor) -> torch.Tensor:
+        """Zeros of ``states``' shape and dtype (a view of a buffer grown to the largest batch seen)."""
+        key = (states.device, states.dtype, tuple(states.shape[1:]))
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < states.shape[0]:
+            buffer = self._buffers[key] = torch.zeros_like(states, memory_format=torch.contiguous_format)
+        return buffer[: states.shape[0]]
 
 
 #: value-axis tile and warps of fla's recurrent kernel: ``(block_v, num_warps)``, for a decode step
@@ -175,8 +198,8 @@ PREFILL_TILE = (16, 1)
 
 
 def _fla_in_place(
-    kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, cu_seqlens: torch.Tensor | None = None, fresh: bool = False,
+    kernel: Any, zeros: _ZeroStates, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor | None = None, fresh: bool = False,
 ) -> torch.Tensor:
     if not state.is_contiguous():
         return _fla_entry_point(q, k, v, g, beta, state, cu_seqlens, fresh)
@@ -192,7 +215,7 @@ def _fla_in_place(
     out = torch.empty((tokens, hv, dv), dtype=v.dtype, device=v.device)
     kernel[(-(-dv // block_v) * sequences * hv,)](
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), gk=None, gv=None,
-        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=None if fresh else state, ht=state, cu_seqlens=cu_seqlens,
+        beta=beta.contiguous(), A_log=None, dt_bias=None, o=out, h0=zeros.like(state) if fresh else state, ht=state, cu_seqlens=cu_seqlens,
         scale=dk**-0.5, T=1 if cu_seqlens is None else tokens, H=hk, HV=hv, K=dk, V=dv,
         BK=1 << (dk - 1).bit_length(), BV=block_v, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
         APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=warps, num_stages=1,

@@ -199,6 +199,19 @@ def test_rows_out_of_order_are_gathered_and_scattered(tiny_model, monkeypatch) -
         assert _close(_run(tiny_model, chunk=24, perm=perm), reference) <= 1e-5
 
 
+def test_zero_initial_states_are_one_buffer_grown_to_the_largest_batch() -> None:
+    """The in-place step hands fla's kernel zeros for segments that start over (its variant without
+    an initial state runs slower): views of one buffer per shape and dtype, grown for a larger
+    batch and reused for a smaller one, never the stale states it is given the shape of."""
+    zeros = gdn_ops._ZeroStates()
+    stale = torch.full((5, 4, 3, 3), float("nan"))
+    small, big, again = zeros.like(stale[:2]), zeros.like(stale), zeros.like(stale[:3])
+    assert [t.shape[0] for t in (small, big, again)] == [2, 5, 3]
+    assert torch.count_nonzero(big) == 0 and again.data_ptr() == big.data_ptr()
+    other = zeros.like(stale.bfloat16())
+    assert other.dtype == torch.bfloat16 and torch.count_nonzero(other) == 0 and other.data_ptr() != big.data_ptr()
+
+
 @pytest.mark.parametrize("kernel", ["torch", "fla chunked", "fla recurrent"])
 def test_rows_starting_over_never_read_their_stale_recurrent_states(tiny_model, monkeypatch, kernel: str) -> None:
     """``reset_rows`` leaves a row's recurrent state as its last sequence left it (zeroing it costs a
