@@ -81,6 +81,11 @@ class LeanRunner:
         )
         self.rows = self.state.rows
         self.lengths = self.state.host_lengths
+        # Every method that touches the slot state runs in inference mode, whoever calls it (the
+        # engine's loop already does): autograd recording the state's in-place writes would chain
+        # every call's activations to a state that outlives them (a loop of prefills and steps grew
+        # by ~270 live tensors a round), and a state regrown in inference mode cannot be written
+        # outside it.
         # where the backend claims device graphs (CUDA, ROCm): decode steps padded to graph buckets,
         # replayed unless cuda_graphs=False
         # and (unless compile_decode=False) the step's regions compiled, on buckets of >= 2 rows
@@ -101,9 +106,11 @@ class LeanRunner:
             self.graphs = DecodeGraphs(self.model.decode, self.state, runtime, capture=cuda_graphs,
                                        min_rows=2 if self.compiled else 1)
 
+    @torch.inference_mode()
     def reset_rows(self, rows: list[int]) -> None:
         self.state.reset_rows(rows)
 
+    @torch.inference_mode()
     def prefill(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         self.state.ensure_capacity(max(s + len(c) for s, c in zip(starts, chunks)))
         logits = self.model.prefill(self.state, self.model.prefill_batch(rows, starts, chunks))
@@ -111,6 +118,7 @@ class LeanRunner:
             self.lengths[row] = start + len(chunk)
         return logits
 
+    @torch.inference_mode()
     def decode(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[0]
         span = max(self.lengths[:n]) + 1
@@ -123,9 +131,11 @@ class LeanRunner:
             self.lengths[row] += 1
         return logits
 
+    @torch.inference_mode()
     def copy_rows(self, sources: list[int], targets: list[int]) -> None:
         self.state.copy_rows(sources, targets)
 
+    @torch.inference_mode()
     def clear_lengths(self, rows: range) -> None:
         self.state.clear_lengths(rows)
 
@@ -156,6 +166,7 @@ class HFRunner:
         self.device, self.dtype = param.device, param.dtype
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
+    @torch.inference_mode()
     def reset_rows(self, rows: list[int]) -> None:
         self.store.clear_lengths(rows)
 
@@ -171,6 +182,7 @@ class HFRunner:
         cache.commit()
         return out.logits[:, -1].float()
 
+    @torch.inference_mode()  # as the lean runner's methods
     def prefill(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         if any(starts):
             raise ValueError("the Hugging Face runner prefills whole prompts only")
@@ -181,14 +193,17 @@ class HFRunner:
             logits.append(self._forward(ids, StepCache(self.store, prefill_row=row, query_len=len(chunk))))
         return torch.cat(logits)
 
+    @torch.inference_mode()
     def decode(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[0]
         self.store.ensure_capacity(max(self.lengths[:n]) + 1)
         return self._forward(ids[:, None], StepCache(self.store, prefill_row=None, query_len=1, rows=n))
 
+    @torch.inference_mode()
     def copy_rows(self, sources: list[int], targets: list[int]) -> None:
         self.store.copy_rows(sources, targets)
 
+    @torch.inference_mode()
     def clear_lengths(self, rows: range) -> None:
         self.store.clear_lengths(rows)
 

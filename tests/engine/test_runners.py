@@ -8,8 +8,10 @@ what separates the paths is float summation order (measured <= 1e-6 here).
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ import torch
 from miles_core.ci.register import register_cpu_ci
 from miles_core.engine.base import GenerationRequest, SamplingParams
 from miles_core.engine.engine import Engine, EngineConfig, RequestAborted
+from miles_core.engine.loader import load_model
+from miles_core.engine.runner import build_runner
 from miles_core.errors import ConfigError
 
 register_cpu_ci(est_time=15, suite="stage-a-cpu")
@@ -226,3 +230,35 @@ def test_attention_only_architectures_run_lean_and_match_a_teacher_forced_forwar
     worst = max(max(abs(a - b) for a, b in zip(teacher_forced_on(reference, r.input_ids, c.token_ids, r.sampling),
                                                c.logprobs)) for r, c in zip(requests, completions))
     assert worst <= TOLERANCE
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on some lazily imported modules warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("kind", ["lean", "hf"])
+def test_runner_calls_outside_inference_mode_keep_no_activations_alive(tiny_dir, kind: str) -> None:
+    """A script or plugin driving a runner without the engine's inference mode: the parameters
+    require grad (as a trainer's do), and the slot state outlives every call, so recorded autograd
+    history through its in-place writes would keep each call's activations alive for good."""
+    model = load_model(tiny_dir, dtype="auto", device="cpu").model
+    assert any(p.requires_grad for p in model.parameters())
+    runner = build_runner(model, kind=kind, max_slots=4, max_model_len=1024, cuda_graphs=False)
+    rows = list(range(4))
+    prompts = [_prompt(300, 0), *(_prompt(20 + i, i) for i in rows[1:])]  # 300 tokens outgrow the first KV capacity
+
+    def one_round() -> int:
+        runner.reset_rows(rows)
+        assert not runner.prefill(rows, [0] * 4, prompts).requires_grad
+        for _ in range(3):
+            assert not runner.decode(torch.zeros(4, dtype=torch.long)).requires_grad
+        return _live_tensors()
+
+    first = one_round()
+    assert [one_round() for _ in range(2)] == [first, first]
+    runner.copy_rows([0], [3])
+    runner.clear_lengths(range(3, 4))
+
