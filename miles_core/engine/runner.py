@@ -29,6 +29,12 @@ GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
 class Runner(Protocol):
+    """Rows of slot state and the model steps over them. Every method that touches the state runs
+    in inference mode, whoever calls it (the engine's loop already does): autograd recording the
+    state's in-place writes would chain every call's activations to a state that outlives them (a
+    loop of prefills and steps driven from outside grew by ~270 live tensors a round), and a state
+    regrown inside inference mode cannot be written outside it."""
+
     name: str
     max_slots: int
     staging: int
@@ -81,11 +87,6 @@ class LeanRunner:
         )
         self.rows = self.state.rows
         self.lengths = self.state.host_lengths
-        # Every method that touches the slot state runs in inference mode, whoever calls it (the
-        # engine's loop already does): autograd recording the state's in-place writes would chain
-        # every call's activations to a state that outlives them (a loop of prefills and steps grew
-        # by ~270 live tensors a round), and a state regrown in inference mode cannot be written
-        # outside it.
         # where the backend claims device graphs (CUDA, ROCm): decode steps padded to graph buckets,
         # replayed unless cuda_graphs=False
         # and (unless compile_decode=False) the step's regions compiled, on buckets of >= 2 rows
@@ -182,7 +183,7 @@ class HFRunner:
         cache.commit()
         return out.logits[:, -1].float()
 
-    @torch.inference_mode()  # as the lean runner's methods
+    @torch.inference_mode()
     def prefill(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         if any(starts):
             raise ValueError("the Hugging Face runner prefills whole prompts only")
