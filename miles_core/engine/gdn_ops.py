@@ -174,14 +174,15 @@ class _ZeroStates:
     entry point given no initial state."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._buffer: torch.Tensor | None = None
 
     def like(self, states: torch.Tensor) -> torch.Tensor:
-        """Zeros of ``states``' shape and dtype (a view of a buffer grown to the largest batch seen)."""
-        key = (states.device, states.dtype, tuple(states.shape[1:]))
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape[0] < states.shape[0]:
-            buffer = self._buffers[key] = torch.zeros_like(states, memory_format=torch.contiguous_format)
+        """Zeros of ``states``' shape and dtype: a view of one buffer, grown to the largest batch seen
+        (a model's states keep one dtype and row shape; another one replaces the buffer)."""
+        buffer = self._buffer
+        if (buffer is None or buffer.shape[0] < states.shape[0] or buffer.shape[1:] != states.shape[1:]
+                or buffer.dtype != states.dtype or buffer.device != states.device):
+            buffer = self._buffer = torch.zeros_like(states, memory_format=torch.contiguous_format)
         return buffer[: states.shape[0]]
 
 

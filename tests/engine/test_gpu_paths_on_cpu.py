@@ -201,8 +201,8 @@ def test_rows_out_of_order_are_gathered_and_scattered(tiny_model, monkeypatch) -
 
 def test_zero_initial_states_are_one_buffer_grown_to_the_largest_batch() -> None:
     """The in-place step hands fla's kernel zeros for segments that start over (its variant without
-    an initial state runs slower): views of one buffer per shape and dtype, grown for a larger
-    batch and reused for a smaller one, never the stale states it is given the shape of."""
+    an initial state runs slower): views of one buffer, grown for a larger batch and reused for a
+    smaller one, replaced for another dtype, never the stale states it is given the shape of."""
     zeros = gdn_ops._ZeroStates()
     stale = torch.full((5, 4, 3, 3), float("nan"))
     small, big, again = zeros.like(stale[:2]), zeros.like(stale), zeros.like(stale[:3])

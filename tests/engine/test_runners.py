@@ -261,4 +261,3 @@ def test_runner_calls_outside_inference_mode_keep_no_activations_alive(tiny_dir,
     assert [one_round() for _ in range(2)] == [first, first]
     runner.copy_rows([0], [3])
     runner.clear_lengths(range(3, 4))
-
