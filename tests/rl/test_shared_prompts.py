@@ -52,12 +52,10 @@ def _docs() -> list[TrainDocument]:
 
 
 def _update(model, docs, share: bool, method, reference=None):
-    from miles_core.patches.packing import PACKING_KWARG, packed_sequences
+    from miles_core.rl.trainers.hf import row_inputs, target_logits
 
     def forward(row, m=model):
-        extra = {PACKING_KWARG: packed_sequences(row.position_ids[None], branches=row.branches)} if row.branches else {}
-        return m(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
-                 logits_to_keep=row.positions, **extra).logits[0]
+        return target_logits(m, row_inputs(row, torch.device("cpu")))
 
     algo = AlgorithmSection(lr=1e-2, entropy_coef=0.01, kl_coef=0.1 if reference is not None else 0.0)
     model.zero_grad(set_to_none=True)
@@ -114,3 +112,33 @@ def test_the_tiny_preset_shares_prompts_through_its_gated_deltanet_layers(tmp_pa
     # the GDN patch's torch kernels fork the recurrent state and conv window after the prompt
     # (plugins/miles_qwen35/tests: shared == whole documents per architecture)
     assert trainer.report["shared_prompts"] is True
+
+
+def test_the_policy_and_reference_forwards_of_a_row_build_one_attention_plan(tmp_path, monkeypatch) -> None:
+    """The hf trainer's two forwards of a row (policy, then KL reference) share its inputs, so the
+    packed attention plans the row's segments once; a second plan is a second context built."""
+    from miles_core.assets.char_model import write_char_model
+    from miles_core.patches import attention
+    from miles_core.rl.algorithms.builtin import GRPO
+    from miles_core.rl.config import load_config
+    from miles_core.rl.trainers.hf import HFPolicy
+
+    torch.set_num_threads(1)
+    model_dir = write_char_model(tmp_path / "model", seed=0)
+    config = load_config(overrides=[{
+        "model": {"path": str(model_dir), "preset": None, "dtype": "float32"},
+        "rollout": {"path": "direct", "samples_per_prompt": 4, "max_new_tokens": 2},
+        "algorithm": {"kl_coef": 0.1},
+        "trainer": {"device": "cpu"},
+        "run": {"out_dir": str(tmp_path / "run")},
+    }])
+    policy = HFPolicy(model_dir, config, torch.device("cpu"), None, GRPO())
+    assert policy.report["shared_prompts"] and policy.reference is not None
+    docs = [TrainDocument((2, 3, 4, 5, 6 + i, 7), 2, (1, 1), (-1.0, -1.5), float(i) - 1.5) for i in range(4)]
+    docs += [TrainDocument((8, 9, 10, 2 + i), 1, (1,), (-2.0,), float(i) - 1.5) for i in range(4)]
+    plans = []
+    make = attention._make_plan
+    monkeypatch.setattr(attention, "_make_plan", lambda ctx, device: plans.append(ctx) or make(ctx, device))
+    stats = policy.train(docs)
+    assert stats["kl_ref"] >= 0 and len(pack_documents(docs, 4096, share_prompts=True)) == 1
+    assert len(plans) == 1

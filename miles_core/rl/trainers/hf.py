@@ -50,21 +50,24 @@ def gathered_tensors(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def target_logits(model: Any, row: PackedRow, device: torch.device) -> torch.Tensor:
-    """``model``'s logits at ``row``'s trained targets only, ``[K, vocab]`` (``logits_to_keep``: the
-    LM head and the log-softmax skip every other position): the trainer's forward of one row."""
+def row_inputs(row: PackedRow, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of ``row``'s forward on ``device`` (its packing context included)."""
     position_ids = row.position_ids[None].to(device)
-    extra: dict[str, Any] = {}
+    inputs: dict[str, Any] = {
+        "input_ids": row.input_ids[None].to(device),
+        "position_ids": position_ids,
+        "use_cache": False,
+        "logits_to_keep": row.positions.to(device),
+    }
     if row.branches is not None:
-        extra[PACKING_KWARG] = packed_sequences(position_ids, branches=row.branches)
-    out = model(
-        input_ids=row.input_ids[None].to(device),
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=row.positions.to(device),
-        **extra,
-    )
-    return out.logits[0]
+        inputs[PACKING_KWARG] = packed_sequences(position_ids, branches=row.branches)
+    return inputs
+
+
+def target_logits(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """``model``'s logits at a row's trained targets only, ``[K, vocab]`` (``logits_to_keep``: the
+    LM head and the log-softmax skip every other position), given its :func:`row_inputs`."""
+    return model(**inputs).logits[0]
 
 
 class HFPolicy:
@@ -100,6 +103,7 @@ class HFPolicy:
             if self.reference is not None:
                 compile_regions(self.reference)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
+        self._last_inputs: tuple[PackedRow, dict[str, Any]] | None = None
         # a shared prompt copy needs attention that reads the row's branches (the packed attention
         # prepare_model installed) and recurrent layers that fork their state after the prompt
         share = (config.trainer.share_prompts and config.trainer.packing and patch_report.packed_attention
@@ -117,13 +121,20 @@ class HFPolicy:
         }
 
     def _forward(self, row: PackedRow, model: Any | None = None) -> torch.Tensor:
-        return target_logits(model or self.model, row, self.device)
+        # the policy's and the reference's forwards of a row follow each other: they share its
+        # inputs, and through its packing context the attention's plan (built once, not twice)
+        if self._last_inputs is None or self._last_inputs[0] is not row:
+            self._last_inputs = (row, row_inputs(row, self.device))
+        return target_logits(model or self.model, self._last_inputs[1])
 
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
         reference = (lambda row: self._forward(row, self.reference)) if self.reference is not None else None
-        return policy_update(
-            docs, self._forward, self.optimizer, self.model.parameters(), self.settings, reference=reference, dp=self.dp
-        )
+        try:
+            return policy_update(
+                docs, self._forward, self.optimizer, self.model.parameters(), self.settings, reference=reference, dp=self.dp
+            )
+        finally:
+            self._last_inputs = None
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (under FSDP: gathered to rank 0, in CPU memory; empty elsewhere)."""
