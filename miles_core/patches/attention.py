@@ -11,7 +11,8 @@ same function, the same mask). Inside one (a :class:`~miles_core.patches.packing
 is current and describes this layer's ``[B, T]``) the mask is skipped and each document runs causal
 attention alone: one variable-length flash kernel on CUDA in half precision where torch has one
 (``torch.nn.attention.varlen``), otherwise causal ``scaled_dot_product_attention`` per document
-(one call per distinct document length).
+(one call per distinct document length; shared-prompt groups whose responses have one length, one
+masked call per group shape).
 The document boundaries are the packing context's, which follow transformers' own rule for packed
 masks, so the result equals the masked path up to kernel rounding.
 """
@@ -138,19 +139,21 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Job:
-    """One ``scaled_dot_product_attention`` call over ``count`` segments of equal length."""
+    """One ``scaled_dot_product_attention`` call over ``count`` equal spans of tokens."""
 
     count: int
     query_index: torch.Tensor  # [count * length] flat token positions
     key_index: torch.Tensor | None  # [count * (prefix + length)]; None: the keys are the queries
-    allowed: torch.Tensor | None  # [length, prefix + length] for branches; None: causal
+    allowed: torch.Tensor | None  # [length, keys] boolean mask; None: causal
+    #: ``(start, stop)`` when ``query_index`` is that range (a view instead of a gather)
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class _Plan:
     jobs: tuple[_Job, ...]
-    inverse: torch.Tensor | None  # puts the jobs' outputs back in token order; None: plain slices
-    slices: tuple[tuple[int, int], ...] = ()
+    inverse: torch.Tensor | None  # puts the jobs' outputs back in token order; None: already in order
+    slices: tuple[tuple[int, int], ...] = ()  # instead of jobs: one call per segment, in order
 
 
 #: one plan per packed forward and device: every attention layer, the reference forward and the
@@ -166,16 +169,63 @@ def _plan(ctx: PackedSequences, device: torch.device) -> _Plan:
     return plan
 
 
+def _whole_groups(ctx: PackedSequences, length_at: dict[int, int]) -> dict[tuple[int, int, int], list[int]]:
+    """Shared-prompt groups laid out as one span: a root of ``prefix + L`` tokens (the prompt and the
+    first response) followed directly by its other responses, all of ``L`` tokens. Keyed by
+    ``(prefix, responses, L)``, the roots of each shape: such a group is one query block under one
+    mask, so groups of a shape share a call, with no per-response gather of the prompt's keys."""
+    members: dict[int, list[tuple[int, int]]] = {}
+    for start, root, prefix in ctx.branches or ():
+        members.setdefault(root, []).append((start, prefix))
+    shapes: dict[tuple[int, int, int], list[int]] = {}
+    for root, branches in members.items():
+        prefix = branches[0][1]
+        length = length_at[root] - prefix
+        starts = sorted(start for start, _ in branches)
+        in_line = [root + prefix + length * (i + 1) for i in range(len(starts))]
+        if (length < 1 or starts != in_line or any(p != prefix for _, p in branches)
+                or any(length_at[start] != length for start in starts)):
+            continue
+        shapes.setdefault((prefix, len(starts) + 1, length), []).append(root)
+    return shapes
+
+
+def _group_mask(prefix: int, responses: int, length: int) -> torch.Tensor:
+    """``[T, T]`` for a prompt of ``prefix`` tokens and ``responses`` of ``length`` after it: the
+    prompt is causal; a response token sees the prompt and its own response up to itself."""
+    total = prefix + responses * length
+    pos = torch.arange(total)
+    response = torch.where(pos < prefix, -1, (pos - prefix) // length)
+    causal = pos[None, :] <= pos[:, None]
+    return causal & ((pos[None, :] < prefix) | (response[None, :] == response[:, None]))
+
+
 def _make_plan(ctx: PackedSequences, device: torch.device) -> _Plan:
     bounds = ctx.cu_seqlens_cpu.tolist()
+    segments = list(itertools.pairwise(bounds))
+    length_at = {start: end - start for start, end in segments}
+    whole = _whole_groups(ctx, length_at)
+    jobs, positions = [], []
+    covered: set[int] = set()
+    for (prefix, responses, length), group_roots in whole.items():
+        total = prefix + responses * length
+        query_index = (torch.tensor(group_roots)[:, None] + torch.arange(total)[None, :]).view(-1)
+        in_order = all(b - a == total for a, b in itertools.pairwise(group_roots))
+        span = (group_roots[0], group_roots[0] + len(group_roots) * total) if in_order else None
+        mask = _group_mask(prefix, responses, length).to(device)
+        jobs.append(_Job(len(group_roots), query_index.to(device), None, mask, span))
+        positions.append(query_index)
+        for root in group_roots:  # the root segment and its responses' segments
+            covered.update([root, *range(root + prefix + length, root + total, length)])
     branch_of = {start: (root, prefix) for start, root, prefix in ctx.branches or ()}
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (length, prefix) -> [(start, root)]
-    for start, end in itertools.pairwise(bounds):
+    for start, end in segments:
+        if start in covered:
+            continue
         root, prefix = branch_of.get(start, (start, 0))
         groups.setdefault((end - start, prefix), []).append((start, root))
-    if not branch_of and len(groups) == len(bounds) - 1:  # every length distinct: plain slices, no gather
-        return _Plan((), None, tuple(itertools.pairwise(bounds)))
-    jobs, positions = [], []
+    if not branch_of and len(groups) == len(segments):  # every length distinct: plain slices, no gather
+        return _Plan((), None, tuple(segments))
     for (length, prefix), members in groups.items():
         starts = torch.tensor([start for start, _ in members])
         query_index = (starts[:, None] + torch.arange(length)[None, :]).view(-1)
@@ -190,6 +240,8 @@ def _make_plan(ctx: PackedSequences, device: torch.device) -> _Plan:
         jobs.append(_Job(len(members), query_index.to(device), key_index, allowed))
         positions.append(query_index)
     order = torch.cat(positions)
+    if torch.equal(order, torch.arange(order.numel())):
+        return _Plan(tuple(jobs), None)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     return _Plan(tuple(jobs), inverse.to(device))
@@ -204,12 +256,14 @@ def _per_document(
 
     A branch segment (``ctx.branches``: a response laid out after its group's shared prompt) attends
     to its root's prompt tokens and then causally to itself; branches of equal prompt and own length
-    share a call too. The gather indices are planned once per packed forward (:func:`_plan`).
+    share a call too. A group whose responses all have one length and follow their prompt directly
+    is one query block under a mask instead (:func:`_whole_groups`), groups of a shape one call. The
+    gather indices are planned once per packed forward (:func:`_plan`).
     """
     heads, head_dim = q.shape[1], q.shape[2]
     k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
     plan = _plan(ctx, q.device)
-    if plan.inverse is None:
+    if plan.slices:
         outs = []
         for start, end in plan.slices:
             qd, kd, vd = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
@@ -219,25 +273,24 @@ def _per_document(
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 
-    def gathered(t: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    def gathered(t: torch.Tensor, index: torch.Tensor, count: int, span: tuple[int, int] | None = None) -> torch.Tensor:
         # [count * n, H, D] -> [count, H, n, D]
-        return t.index_select(0, index).view(count, -1, heads, head_dim).transpose(1, 2)
+        picked = t[span[0] : span[1]] if span else t.index_select(0, index)
+        return picked.view(count, -1, heads, head_dim).transpose(1, 2)
 
     pieces = []
     for job in plan.jobs:
-        qd = gathered(q, job.query_index, job.count)
+        qd = gathered(q, job.query_index, job.count, job.span)
         if job.key_index is None:
-            kd, vd = gathered(k, job.query_index, job.count), gathered(v, job.query_index, job.count)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale
-            )
+            kd, vd = gathered(k, job.query_index, job.count, job.span), gathered(v, job.query_index, job.count, job.span)
         else:
             kd, vd = gathered(k, job.key_index, job.count), gathered(v, job.key_index, job.count)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=job.allowed, dropout_p=dropout, scale=scale
-            )
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=job.allowed, dropout_p=dropout, is_causal=job.allowed is None, scale=scale
+        )
         pieces.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
-    return torch.cat(pieces).index_select(0, plan.inverse)
+    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
 
 VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedSequences, float], torch.Tensor]

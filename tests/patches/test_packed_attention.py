@@ -88,13 +88,11 @@ def test_a_model_prepared_for_packed_training_attends_per_document(tmp_path, mil
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
 
 
-def test_a_branch_attends_to_its_prompt_then_to_itself() -> None:
-    """A row [P r1 | r2 r3] + [Q s1 | s2]: each later response sees its root's prompt and itself,
-    exactly as if it had been laid out after its own copy of the prompt."""
-    generator = torch.Generator().manual_seed(9)
-    # segments: [0, 6) = P(4) + r1(2), [6, 8) r2, [8, 10) r3, [10, 13) = Q(2) + s1(1), [13, 15) s2
-    positions = torch.tensor([0, 1, 2, 3, 4, 5, 4, 5, 4, 5, 0, 1, 2, 2, 3])
-    branches = [(6, 0, 4), (8, 0, 4), (13, 10, 2)]
+def _against_own_prompt_copies(positions: torch.Tensor, branches: list[tuple[int, int, int]],
+                               layouts: list[list[int]], seed: int) -> None:
+    """``_per_document`` over a shared-prompt row equals, forward and gradients, the same attention
+    with every response laid out after its own copy of the prompt (``layouts``: token offsets)."""
+    generator = torch.Generator().manual_seed(seed)
     ctx = packed_sequences(positions[None], branches=branches)
     total = positions.numel()
     q = torch.randn(total, HEADS, DIM, generator=generator, requires_grad=True)
@@ -104,8 +102,6 @@ def test_a_branch_attends_to_its_prompt_then_to_itself() -> None:
     got = attention._per_document(q, k, v, ctx, 0.3, 0.0)
     grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
 
-    # the same attention with every response laid out after its own prompt copy
-    layouts = [list(range(0, 6)), [0, 1, 2, 3, 6, 7], [0, 1, 2, 3, 8, 9], [10, 11, 12], [10, 11, 13, 14]]
     outputs = {}
     for layout in layouts:
         index = torch.tensor(layout)
@@ -114,9 +110,51 @@ def test_a_branch_attends_to_its_prompt_then_to_itself() -> None:
             outputs.setdefault(token, out[row])  # a prompt token's output: from its first layout
     want = torch.stack([outputs[t] for t in range(total)])
     want_grads = torch.autograd.grad((want * weight).sum(), (q, k, v))
+    # the same fp32 kernel over the same keys; only the batching and the masking of other keys differ
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+def test_a_branch_attends_to_its_prompt_then_to_itself() -> None:
+    """A row [P r1 | r2 r3] + [Q s1 | s2]: each later response sees its root's prompt and itself,
+    exactly as if it had been laid out after its own copy of the prompt. The first group's responses
+    have one length (one masked block), the second's do not (a gather per response)."""
+    # segments: [0, 6) = P(4) + r1(2), [6, 8) r2, [8, 10) r3, [10, 13) = Q(2) + s1(1), [13, 15) s2
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 4, 5, 4, 5, 0, 1, 2, 2, 3])
+    branches = [(6, 0, 4), (8, 0, 4), (13, 10, 2)]
+    layouts = [list(range(0, 6)), [0, 1, 2, 3, 6, 7], [0, 1, 2, 3, 8, 9], [10, 11, 12], [10, 11, 13, 14]]
+    _against_own_prompt_copies(positions, branches, layouts, seed=9)
+
+
+def test_groups_of_one_shape_take_one_masked_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five groups of a 3-token prompt and 4 responses of 2 tokens, then a lone 5-token document:
+    the groups are one call over [5, H, 11, D] under the group mask, the document another, and the
+    result equals each response after its own prompt copy."""
+    groups, prefix, responses, length = 5, 3, 4, 2
+    span = prefix + responses * length
+    positions, branches, layouts = [], [], []
+    for g in range(groups):
+        root = g * span
+        positions += list(range(prefix + length)) + list(range(prefix, prefix + length)) * (responses - 1)
+        prompt = list(range(root, root + prefix))
+        for r in range(responses):
+            start = root + prefix + r * length
+            if r:
+                branches.append((start, root, prefix))
+            layouts.append(prompt + list(range(start, start + length)))
+    layouts.append(list(range(groups * span, groups * span + 5)))
+    positions += list(range(5))
+    _against_own_prompt_copies(torch.tensor(positions), branches, layouts, seed=3)
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append((a[0].shape, kw.get("attn_mask") is not None)) or sdpa(*a, **kw))
+    q, kv = torch.randn(len(positions), HEADS, DIM), torch.randn(len(positions), KV_HEADS, DIM)
+    attention._per_document(q, kv, kv, packed_sequences(torch.tensor([positions]), branches=branches), 0.3, 0.0)
+    assert sorted(calls, key=str) == sorted([(torch.Size([groups, HEADS, span, DIM]), True),
+                                             (torch.Size([1, HEADS, 5, DIM]), False)], key=str)
 
 
 def test_branches_that_do_not_match_the_positions_are_refused() -> None:

@@ -36,13 +36,15 @@ def _model(kind: str, miles_pm):
     return model
 
 
-def _docs() -> list[TrainDocument]:
+def _docs(equal: bool = False) -> list[TrainDocument]:
+    """Three groups; their responses of 1-3 tokens, or (``equal``) of 3 tokens each: a group whose
+    responses have one length is attended as one masked block (the packed attention's fast path)."""
     gen = torch.Generator().manual_seed(5)
     docs = []
     for prompt_len, group in ((6, 4), (3, 3), (9, 2)):
         prompt = torch.randint(1, 40, (prompt_len,), generator=gen).tolist()
         for i in range(group):
-            n = 1 + (i % 3)
+            n = 3 if equal else 1 + (i % 3)
             response = torch.randint(1, 40, (n,), generator=gen).tolist()
             mask = tuple(0 if (j == 1 and n == 3) else 1 for j in range(n))  # a tool token inside one
             docs.append(TrainDocument(tuple(prompt + response), n, mask, tuple(-2.0 - 0.1 * j for j in range(n)),
@@ -69,9 +71,10 @@ def _update(model, docs, share: bool, method, reference=None):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("method", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
-def test_a_shared_prompt_row_updates_like_whole_documents(miles_pm, kind, method) -> None:
+@pytest.mark.parametrize("equal", [False, True], ids=["mixed-lengths", "equal-lengths"])
+def test_a_shared_prompt_row_updates_like_whole_documents(miles_pm, kind, method, equal) -> None:
     torch.set_num_threads(1)
-    docs = _docs()
+    docs = _docs(equal)
     model = _model(kind, miles_pm)
     reference = _model(kind, miles_pm)
     with torch.no_grad():
