@@ -169,11 +169,19 @@ def _plan(ctx: PackedSequences, device: torch.device) -> _Plan:
     return plan
 
 
+#: the longest group attended as one masked block. A block computes every query/key pair of the
+#: group, those across its responses too, so it pays only where per-call costs dominate
+#: (``benchmarks/group_attention.py``, forward and backward, one CPU thread, 8 responses: the block
+#: takes 0.60-0.67x the per-segment time at 12-64 tokens, 0.72-0.80x at 96, 1.03-3.6x from 144)
+GROUP_BLOCK_MAX_TOKENS = 64
+
+
 def _whole_groups(ctx: PackedSequences, length_at: dict[int, int]) -> dict[tuple[int, int, int], list[int]]:
-    """Shared-prompt groups laid out as one span: a root of ``prefix + L`` tokens (the prompt and the
-    first response) followed directly by its other responses, all of ``L`` tokens. Keyed by
-    ``(prefix, responses, L)``, the roots of each shape: such a group is one query block under one
-    mask, so groups of a shape share a call, with no per-response gather of the prompt's keys."""
+    """Shared-prompt groups laid out as one span of at most :data:`GROUP_BLOCK_MAX_TOKENS`: a root of
+    ``prefix + L`` tokens (the prompt and the first response) followed directly by its other
+    responses, all of ``L`` tokens. Keyed by ``(prefix, responses, L)``, the roots of each shape:
+    such a group is one query block under one mask, so groups of a shape share a call, with no
+    per-response gather of the prompt's keys."""
     members: dict[int, list[tuple[int, int]]] = {}
     for start, root, prefix in ctx.branches or ():
         members.setdefault(root, []).append((start, prefix))
@@ -183,8 +191,8 @@ def _whole_groups(ctx: PackedSequences, length_at: dict[int, int]) -> dict[tuple
         length = length_at[root] - prefix
         starts = sorted(start for start, _ in branches)
         in_line = [root + prefix + length * (i + 1) for i in range(len(starts))]
-        if (length < 1 or starts != in_line or any(p != prefix for _, p in branches)
-                or any(length_at[start] != length for start in starts)):
+        if (length < 1 or prefix + length * (len(starts) + 1) > GROUP_BLOCK_MAX_TOKENS or starts != in_line
+                or any(p != prefix for _, p in branches) or any(length_at[start] != length for start in starts)):
             continue
         shapes.setdefault((prefix, len(starts) + 1, length), []).append(root)
     return shapes

@@ -127,11 +127,9 @@ def test_a_branch_attends_to_its_prompt_then_to_itself() -> None:
     _against_own_prompt_copies(positions, branches, layouts, seed=9)
 
 
-def test_groups_of_one_shape_take_one_masked_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Five groups of a 3-token prompt and 4 responses of 2 tokens, then a lone 5-token document:
-    the groups are one call over [5, H, 11, D] under the group mask, the document another, and the
-    result equals each response after its own prompt copy."""
-    groups, prefix, responses, length = 5, 3, 4, 2
+def _groups_then_a_document(groups: int, prefix: int, responses: int, length: int, document: int):
+    """Positions, branches and own-prompt-copy layouts of ``groups`` shared-prompt groups laid out
+    back to back, then a lone document."""
     span = prefix + responses * length
     positions, branches, layouts = [], [], []
     for g in range(groups):
@@ -143,18 +141,41 @@ def test_groups_of_one_shape_take_one_masked_call(monkeypatch: pytest.MonkeyPatc
             if r:
                 branches.append((start, root, prefix))
             layouts.append(prompt + list(range(start, start + length)))
-    layouts.append(list(range(groups * span, groups * span + 5)))
-    positions += list(range(5))
-    _against_own_prompt_copies(torch.tensor(positions), branches, layouts, seed=3)
+    layouts.append(list(range(groups * span, groups * span + document)))
+    positions += list(range(document))
+    return positions, branches, layouts
 
+
+def _sdpa_calls(monkeypatch: pytest.MonkeyPatch, positions: list[int], branches: list[tuple[int, int, int]]) -> list:
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **kw: calls.append((a[0].shape, kw.get("attn_mask") is not None)) or sdpa(*a, **kw))
     q, kv = torch.randn(len(positions), HEADS, DIM), torch.randn(len(positions), KV_HEADS, DIM)
     attention._per_document(q, kv, kv, packed_sequences(torch.tensor([positions]), branches=branches), 0.3, 0.0)
-    assert sorted(calls, key=str) == sorted([(torch.Size([groups, HEADS, span, DIM]), True),
-                                             (torch.Size([1, HEADS, 5, DIM]), False)], key=str)
+    return sorted(calls, key=str)
+
+
+def test_groups_of_one_shape_take_one_masked_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five groups of a 3-token prompt and 4 responses of 2 tokens, then a lone 5-token document:
+    the groups are one call over [5, H, 11, D] under the group mask, the document another, and the
+    result equals each response after its own prompt copy."""
+    positions, branches, layouts = _groups_then_a_document(5, 3, 4, 2, 5)
+    _against_own_prompt_copies(torch.tensor(positions), branches, layouts, seed=3)
+    assert _sdpa_calls(monkeypatch, positions, branches) == sorted(
+        [(torch.Size([5, HEADS, 11, DIM]), True), (torch.Size([1, HEADS, 5, DIM]), False)], key=str)
+
+
+def test_a_group_longer_than_a_block_is_attended_per_response(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``GROUP_BLOCK_MAX_TOKENS`` a block would compute the pairs across responses for nothing:
+    the prompt with its first response is one causal call, the other responses one masked call."""
+    prefix, responses, length = 30, 4, 10
+    assert prefix + responses * length > attention.GROUP_BLOCK_MAX_TOKENS
+    positions, branches, layouts = _groups_then_a_document(2, prefix, responses, length, 7)
+    _against_own_prompt_copies(torch.tensor(positions), branches, layouts, seed=4)
+    assert _sdpa_calls(monkeypatch, positions, branches) == sorted(
+        [(torch.Size([2, HEADS, prefix + length, DIM]), False), (torch.Size([6, HEADS, length, DIM]), True),
+         (torch.Size([1, HEADS, 7, DIM]), False)], key=str)
 
 
 def test_branches_that_do_not_match_the_positions_are_refused() -> None:
