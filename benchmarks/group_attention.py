@@ -11,7 +11,7 @@ beyond it). One JSON line per shape: the median microseconds of each and ``ratio
 segments (below 1: the block is faster). 4 query heads, 2 key/value heads of 16 (the char model of
 ``rl_vs_trl.py``), fp32, one thread, on the CPU unless ``--device cuda``.
 
-    python benchmarks/group_attention.py [--shapes 4x8x1 16x8x4 32x8x8 16x8x16 128x8x128] [--device cpu]
+    python benchmarks/group_attention.py [--shapes PxNxL ...] [--rounds 30] [--device cpu]
 """
 
 from __future__ import annotations

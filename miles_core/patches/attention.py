@@ -243,8 +243,7 @@ def _make_plan(ctx: PackedSequences, device: torch.device) -> _Plan:
             key_index = torch.cat(
                 [roots[:, None] + torch.arange(prefix)[None, :], starts[:, None] + torch.arange(length)[None, :]], dim=1
             ).view(-1).to(device)
-            keys = torch.arange(prefix + length)
-            allowed = ((keys[None, :] < prefix) | (keys[None, :] - prefix <= torch.arange(length)[:, None])).to(device)
+            allowed = _group_mask(prefix, 1, length)[prefix:].to(device)  # the response's rows
         jobs.append(_Job(len(members), query_index.to(device), key_index, allowed))
         positions.append(query_index)
     order = torch.cat(positions)

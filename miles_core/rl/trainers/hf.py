@@ -103,7 +103,6 @@ class HFPolicy:
             if self.reference is not None:
                 compile_regions(self.reference)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
-        self._last_inputs: tuple[PackedRow, dict[str, Any]] | None = None
         # a shared prompt copy needs attention that reads the row's branches (the packed attention
         # prepare_model installed) and recurrent layers that fork their state after the prompt
         share = (config.trainer.share_prompts and config.trainer.packing and patch_report.packed_attention
@@ -120,21 +119,24 @@ class HFPolicy:
             "shared_prompts": share,
         }
 
-    def _forward(self, row: PackedRow, model: Any | None = None) -> torch.Tensor:
+    def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
         # the policy's and the reference's forwards of a row follow each other: they share its
         # inputs, and through its packing context the attention's plan (built once, not twice)
-        if self._last_inputs is None or self._last_inputs[0] is not row:
-            self._last_inputs = (row, row_inputs(row, self.device))
-        return target_logits(model or self.model, self._last_inputs[1])
+        last: list[Any] = [None, None]  # [row, its inputs]
 
-    def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:
-        reference = (lambda row: self._forward(row, self.reference)) if self.reference is not None else None
-        try:
-            return policy_update(
-                docs, self._forward, self.optimizer, self.model.parameters(), self.settings, reference=reference, dp=self.dp
-            )
-        finally:
-            self._last_inputs = None
+        def inputs(row: PackedRow) -> dict[str, Any]:
+            if last[0] is not row:
+                last[:] = [row, row_inputs(row, self.device)]
+            return last[1]
+
+        def forward(row: PackedRow) -> torch.Tensor:
+            return target_logits(self.model, inputs(row))
+
+        reference = self.reference
+        reference_forward = (lambda row: target_logits(reference, inputs(row))) if reference is not None else None
+        return policy_update(
+            docs, forward, self.optimizer, self.model.parameters(), self.settings, reference=reference_forward, dp=self.dp
+        )
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (under FSDP: gathered to rank 0, in CPU memory; empty elsewhere)."""
