@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from miles_core.rl.algorithms.base import Algorithm, TokenBatch
-from miles_core.rl.algorithms.batch import PackedRow, TrainDocument, pack_documents
+from miles_core.rl.algorithms.batch import PackedRow, TrainDocument, merge_duplicates, pack_documents
 from miles_core.rl.algorithms.losses import (
     MinibatchTotals,
     aggregation_weights,
@@ -46,6 +46,9 @@ class UpdateSettings:
     #: lay out a group's documents after one copy of their common prompt (the backend's model must
     #: honour ``PackedRow.branches``)
     share_prompts: bool = False
+    #: train identical samples of a minibatch once, weighted by their number (the same update;
+    #: :func:`~miles_core.rl.algorithms.batch.merge_duplicates`)
+    merge_duplicates: bool = True
 
     @classmethod
     def from_config(cls, config: TrainConfig, algorithm: Algorithm, *, packing: bool | None = None,
@@ -104,18 +107,21 @@ def shard_documents(docs: Sequence[TrainDocument], world_size: int) -> list[list
 
 
 def _rows_for_rank(
-    minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None
+    minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None, *, merge: bool
 ) -> tuple[list[PackedRow], MinibatchTotals, int]:
     """This rank's rows, the minibatch's totals over all ranks, and how many rows are real.
 
+    With ``merge``, identical documents are laid out once (their rows carry the multiplicity).
     With data parallelism every rank runs as many rows as the busiest one (FSDP's forward and
     backward are collectives); the extra rows are copies of a real row with the loss mask zeroed.
     """
     totals = MinibatchTotals(
-        tokens=float(sum(sum(d.loss_mask) for d in minibatch)),
-        sequences=float(sum(1 for d in minibatch if any(d.loss_mask))),
+        tokens=float(sum(sum(d.loss_mask) * d.multiplicity for d in minibatch)),
+        sequences=float(sum(d.multiplicity for d in minibatch if any(d.loss_mask))),
         budget=settings.budget,
     )
+    if merge:
+        minibatch = merge_duplicates(minibatch)
     if dp is None:
         rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing,
                               share_prompts=settings.share_prompts)
@@ -161,7 +167,8 @@ def policy_update(
     measures only numerics (packing leaks, dtype, kernel differences). ``logprob_mismatch_kl`` is
     KL(rollout || trainer) there, estimated with k3 on the sampled tokens (they were drawn from
     the rollout's distribution, which makes the estimate unbiased).
-    ``extra_loss(row)`` adds a backend's auxiliary loss (MTP), already scaled.
+    ``extra_loss(row)`` adds a backend's auxiliary loss (MTP), already scaled; identical documents
+    are merged (``settings.merge_duplicates``) only without it, since such a loss is the row's own.
 
     The minibatch's loss is ``sum_t w_t * (policy_t - entropy_coef * entropy_t + kl_coef * kl_t)``
     with the per-token policy loss of the algorithm, ``kl_t`` the k3 KL to the reference (times the
@@ -184,7 +191,8 @@ def policy_update(
     updates = 0
     for epoch in range(algo.epochs):
         for mb_index, minibatch in enumerate(split_minibatches(docs, algo.minibatches)):
-            rows, totals, real_rows = _rows_for_rank(minibatch, settings, dp)
+            rows, totals, real_rows = _rows_for_rank(minibatch, settings, dp,
+                                                     merge=settings.merge_duplicates and extra_loss is None)
             if totals.tokens == 0:
                 continue
             world = dp.world_size if dp else 1
@@ -195,6 +203,8 @@ def policy_update(
                 device = logits.device
                 targets = row.targets.to(device)
                 mask = row.loss_mask.to(device)
+                copies = row.multiplicity.to(device) if row.multiplicity is not None else None
+                tally = mask if copies is None else mask * copies  # the samples each target stands for
                 rollout_lp = row.rollout_logprobs.to(device)
                 doc_index = row.doc_index.to(device)
                 logprobs = token_logprobs(logits, targets, settings.temperature)
@@ -212,8 +222,10 @@ def policy_update(
                     # sampling policy (value 1 on-policy, gradient that of the log-prob) it is not
                     kl_term = kl_ref * (logprobs - rollout_lp).exp() if algo.kl_bias_correction else kl_ref
                     per_token = per_token + algo.kl_coef * kl_term
-                    _add(sums, "kl_ref", float(kl_ref.detach().sum()))
+                    _add(sums, "kl_ref", float((kl_ref.detach() * tally).sum()))
                 weights = aggregation_weights(method.aggregation, mask, doc_index, row.num_docs, totals)
+                if copies is not None:
+                    weights = weights * copies
                 loss = (per_token * weights).sum() * world
                 if extra_loss is not None:
                     loss = loss + extra_loss(row) / len(rows)
@@ -222,14 +234,14 @@ def policy_update(
                     diff = (logprobs.detach() - rollout_lp).abs() * mask
                     if epoch == 0 and mb_index == 0:
                         mismatch_max = max(mismatch_max, float(diff.max()))
-                        mismatch_sum += float(diff.sum())
-                        mismatch_kl += float((kl_k3(rollout_lp, logprobs.detach()) * mask).sum())
-                        mismatch_n += int(mask.sum())
+                        mismatch_sum += float((diff * tally).sum())
+                        mismatch_kl += float((kl_k3(rollout_lp, logprobs.detach()) * tally).sum())
+                        mismatch_n += int(tally.sum())
                     _add(sums, "loss", float(loss.detach()) / scale)
-                    _add(sums, "entropy", float((entropy.detach() * mask).sum()))
-                    _add(sums, "approx_kl", float((kl_k3(logprobs.detach(), rollout_lp) * mask).sum()))
-                    _add(sums, "clip_fraction", float((policy.clipped * mask).sum()))
-                    _add(sums, "trained_tokens", float(mask.sum()))
+                    _add(sums, "entropy", float((entropy.detach() * tally).sum()))
+                    _add(sums, "approx_kl", float((kl_k3(logprobs.detach(), rollout_lp) * tally).sum()))
+                    _add(sums, "clip_fraction", float((policy.clipped * tally).sum()))
+                    _add(sums, "trained_tokens", float(tally.sum()))
                     if row_index < real_rows:
                         _add(sums, "row_tokens", float(row.num_tokens))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, algo.max_grad_norm)

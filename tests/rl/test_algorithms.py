@@ -87,14 +87,15 @@ def test_shared_prompts_lay_a_group_out_after_one_prompt_copy():
     group = [_doc([7, 8, 9, r1, r2], 2, adv) for r1, r2, adv in ((1, 2, 1.0), (3, 4, -1.0), (5, 6, 0.0))]
     other = _doc([30, 31, 1], 1, 0.5)
     (row,) = pack_documents([group[0], other, group[1], group[2]], 64, share_prompts=True)
-    assert row.input_ids.tolist() == [7, 8, 9, 1, 2, 3, 4, 5, 6, 30, 31, 1]
-    assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 4, 3, 4, 0, 1, 2]
-    # every first response token is predicted by the prompt's last position (2)
+    # in a row, units of one shape (prompt length, documents, tokens) side by side, shortest prompt first
+    assert row.input_ids.tolist() == [30, 31, 1, 7, 8, 9, 1, 2, 3, 4, 5, 6]
+    assert row.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4, 3, 4]
+    # every first response token is predicted by the prompt's last position (5)
     assert list(zip(row.positions.tolist(), row.targets.tolist())) == [
-        (2, 1), (3, 2), (2, 3), (5, 4), (2, 5), (7, 6), (10, 1)]
-    assert row.doc_index.tolist() == [0, 0, 1, 1, 2, 2, 3]
-    assert row.advantages.tolist() == [1, 1, -1, -1, 0, 0, 0.5]
-    assert row.branches == ((5, 0, 3), (7, 0, 3))
+        (1, 1), (5, 1), (6, 2), (5, 3), (8, 4), (5, 5), (10, 6)]
+    assert row.doc_index.tolist() == [0, 1, 1, 2, 2, 3, 3]
+    assert row.advantages.tolist() == [0.5, 1, 1, -1, -1, 0, 0]
+    assert row.branches == ((8, 3, 3), (10, 3, 3))
     assert row.num_docs == 4 and row.num_tokens == 12  # 20 tokens laid out whole
     with pytest.raises(ValueError, match="no per-position loss mask"):
         row.token_mask()

@@ -1,0 +1,161 @@
+"""Identical samples of a minibatch are trained once, weighted by their number: the same update
+(loss, gradients, every statistic) as training each copy, on fewer tokens.
+
+Tolerance: both runs add the same per-token terms; the merged one multiplies a term by its count
+where the other adds the copies one by one, in another order across rows of other sizes. In fp32
+that is a few ulps of the values involved (rel 1e-5; measured: gradients <= 2e-7 of the largest,
+statistics <= 3e-6), as in the shared-prompt
+differential, whose model and documents this file reuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from miles_core.ci.register import register_cpu_ci
+from miles_core.rl.algorithms.batch import TrainDocument, merge_duplicates, pack_documents
+from miles_core.rl.algorithms.builtin import BUILTIN_ALGORITHMS
+from miles_core.rl.config import AlgorithmSection
+from miles_core.rl.policy_update import UpdateSettings, policy_update
+
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
+
+STATS = ("loss", "entropy", "approx_kl", "kl_ref", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_kl",
+         "logprob_mismatch_max")
+
+
+def _doc(prompt: list[int], response: list[int], advantage: float, logprob: float = -2.0) -> TrainDocument:
+    n = len(response)
+    mask = tuple(0 if (j == 1 and n == 3) else 1 for j in range(n))  # a tool token inside 3-token answers
+    return TrainDocument(tuple(prompt + response), n, mask, tuple(logprob - 0.1 * j for j in range(n)), advantage)
+
+
+def _docs() -> list[TrainDocument]:
+    """Three groups with repeated answers (as a sharpened policy samples them), and near-repeats
+    that differ in one field only, which must stay separate."""
+    a, b, c = [3, 7, 1, 9, 4, 2], [5, 5, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    return [
+        _doc(a, [21], 0.5), _doc(a, [22, 23], -1.0), _doc(a, [21], 0.5), _doc(a, [21], 0.5),
+        _doc(a, [21], 0.25),  # same tokens, another advantage
+        _doc(b, [24, 25, 26], 1.0), _doc(b, [24, 25, 26], 1.0), _doc(b, [24, 25, 26], 1.0, logprob=-2.5),
+        _doc(c, [27], -0.5), _doc(c, [28, 29], 0.5), _doc(c, [27], -0.5),
+    ]
+
+
+def test_exact_repeats_merge_into_their_first_copy() -> None:
+    docs = _docs()
+    merged = merge_duplicates(docs)
+    assert [d.multiplicity for d in merged] == [3, 1, 1, 2, 1, 2, 1]
+    assert merged == [replace(docs[i], multiplicity=m) for i, m in
+                                   zip([0, 1, 4, 5, 7, 8, 9], [3, 1, 1, 2, 1, 2, 1], strict=True)]
+    assert sum(d.multiplicity for d in merge_duplicates(merged + docs)) == 2 * len(docs)  # merged ones merge on
+    distinct = [d for i, d in enumerate(docs) if i in (0, 1, 4, 5, 7, 8, 9)]
+    assert merge_duplicates(distinct) == distinct
+
+
+def test_a_multiplicity_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiplicity 0"):
+        TrainDocument((1, 2), 1, (1,), (-1.0,), 0.0, multiplicity=0)
+
+
+def _model(miles_pm):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from miles_core.patches import prepare_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         attn_implementation="sdpa"))
+    assert prepare_model(model, pm=miles_pm, packed=True).packed_attention
+    return model
+
+
+def _update(model, reference, docs, method, *, merge: bool, share: bool, max_tokens: int = 64, extra=None):
+    from miles_core.rl.trainers.hf import row_inputs, target_logits
+
+    def forward(row, m=model):
+        return target_logits(m, row_inputs(row, torch.device("cpu")))
+
+    algo = AlgorithmSection(lr=1e-2, entropy_coef=0.01, kl_coef=0.1)
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients
+    settings = UpdateSettings(algo, 1.0, max_tokens, True, method=method, budget=3.0, share_prompts=share,
+                              merge_duplicates=merge)
+    stats = policy_update(docs, forward, optimizer, model.parameters(), settings,
+                          reference=lambda row: forward(row, reference), extra_loss=extra)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return stats, grads
+
+
+@pytest.fixture
+def models(miles_pm):
+    torch.set_num_threads(1)
+    model, reference = _model(miles_pm), _model(miles_pm)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02)
+    return model, reference
+
+
+@pytest.mark.parametrize("method", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
+@pytest.mark.parametrize("share", [False, True], ids=["whole", "shared-prompts"])
+def test_merged_repeats_give_the_update_of_every_copy(models, method, share) -> None:
+    model, reference = models
+    docs = _docs()
+    every, grads_every = _update(model, reference, docs, method, merge=False, share=share)
+    merged, grads_merged = _update(model, reference, docs, method, merge=True, share=share)
+    assert merged["train_tokens"] < 0.85 * every["train_tokens"]  # the repeats really were left out
+    for key in STATS:
+        assert merged[key] == pytest.approx(every[key], rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(grads_merged, grads_every, rtol=1e-5, atol=1e-7)
+
+    # negative control: the repeats dropped instead of weighted give another update
+    dropped = [replace(d, multiplicity=1) for d in merge_duplicates(docs)]
+    _, grads_dropped = _update(model, reference, dropped, method, merge=False, share=share)
+    assert not torch.allclose(grads_dropped, grads_every, rtol=1e-3, atol=1e-5)
+
+
+def test_merging_holds_across_minibatch_rows(models) -> None:
+    """Rows of 16 tokens: copies land in other rows than their first occurrence when unmerged."""
+    model, reference = models
+    grpo = BUILTIN_ALGORITHMS[0]
+    every, grads_every = _update(model, reference, _docs(), grpo, merge=False, share=False, max_tokens=16)
+    merged, grads_merged = _update(model, reference, _docs(), grpo, merge=True, share=False, max_tokens=16)
+    assert merged["loss"] == pytest.approx(every["loss"], rel=1e-5)
+    torch.testing.assert_close(grads_merged, grads_every, rtol=1e-5, atol=1e-7)
+
+
+def test_a_row_loss_of_the_backend_keeps_every_copy(models) -> None:
+    """An auxiliary loss (MTP) is the row's own: with one, the update lays out every copy."""
+    model, reference = models
+    grpo = BUILTIN_ALGORITHMS[0]
+    seen: list[int] = []
+
+    def extra(row):
+        seen.append(row.num_docs)
+        return torch.zeros(())
+
+    _update(model, reference, _docs(), grpo, merge=True, share=False, max_tokens=4096, extra=extra)
+    assert seen == [len(_docs())]
+
+
+def test_groups_of_one_shape_sit_side_by_side_for_the_attention() -> None:
+    """Shared-prompt groups of two shapes, interleaved in sample order: the row lays each shape's
+    groups out next to each other, so the attention reads them as views of the row (no gather,
+    no reordering of its output)."""
+    from miles_core.patches.attention import _plan
+    from miles_core.patches.packing import packed_sequences
+
+    docs = []
+    for g in range(6):
+        prompt = [1 + g, 2, 3] if g % 2 else [1 + g, 2, 3, 4, 5]
+        docs += [_doc(prompt, [20 + i], 0.1 * i) for i in range(2 + g % 2)]
+    (row,) = pack_documents(docs, 256, share_prompts=True)
+    plan = _plan(packed_sequences(row.position_ids[None], branches=row.branches), torch.device("cpu"))
+    assert len(plan.jobs) == 2
+    assert all(job.span is not None for job in plan.jobs)
+    assert plan.inverse is None
