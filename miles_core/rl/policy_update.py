@@ -47,12 +47,13 @@ class UpdateSettings:
     #: honour ``PackedRow.branches``)
     share_prompts: bool = False
     #: train identical samples of a minibatch once, weighted by their number (the same update;
-    #: :func:`~miles_core.rl.algorithms.batch.merge_duplicates`)
+    #: :func:`~miles_core.rl.algorithms.batch.merge_duplicates`); off for a backend whose forward
+    #: adds a loss of the row's own (megatron's MTP), which would count each sample once
     merge_duplicates: bool = True
 
     @classmethod
     def from_config(cls, config: TrainConfig, algorithm: Algorithm, *, packing: bool | None = None,
-                    share_prompts: bool = False) -> UpdateSettings:
+                    share_prompts: bool = False, merge_duplicates: bool = True) -> UpdateSettings:
         return cls(
             algorithm=config.algorithm,
             temperature=config.rollout.temperature,
@@ -61,6 +62,7 @@ class UpdateSettings:
             method=algorithm,
             budget=float(config.rollout.max_new_tokens * config.rollout.max_turns),
             share_prompts=share_prompts,
+            merge_duplicates=merge_duplicates,
         )
 
     @property

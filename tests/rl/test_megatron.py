@@ -40,6 +40,8 @@ def test_megatron_backend_trains_token_exactly(miles_pm_factory, direct_override
     pm = miles_pm_factory(builtins=True, plugins=[("miles-mtp", miles_mtp.plugin)])
     result = train(config, pm)
     assert result.report["backend"] == "megatron" and result.report["mtp_num_layers"] == mtp_layers
+    # the MTP loss is each row's own: with it every sample is laid out, repeats included
+    assert result.report["merge_duplicates"] is (mtp_layers == 0)
     if mtp_layers:  # the label adapter was installed and verified on this GPTModel
         assert result.report["patches"]["mtp-labels"], result.report["patches"]
     for record in result.records:

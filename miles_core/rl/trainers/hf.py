@@ -117,6 +117,7 @@ class HFPolicy:
             "world_size": dp.world_size if dp else 1,
             "fsdp_sharded": sharded,
             "shared_prompts": share,
+            "merge_duplicates": self.settings.merge_duplicates,
         }
 
     def train(self, docs: Sequence[TrainDocument]) -> dict[str, float]:

@@ -153,9 +153,11 @@ class MegatronTrainer:
         self._mtp_rows = 0
         algo = config.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
-        self.settings = UpdateSettings.from_config(config, algorithm, packing=False)
+        # the MTP loss joins the backward inside the forward, per row: every sample laid out
+        self.settings = UpdateSettings.from_config(config, algorithm, packing=False,
+                                                   merge_duplicates=not self.mtp_layers)
         self.report = {"backend": "megatron", "algorithm": algorithm.name, "mtp_num_layers": self.mtp_layers, "packing": False,
-                       "patches": applied}
+                       "patches": applied, "merge_duplicates": self.settings.merge_duplicates}
 
     def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
         converted = hf_to_megatron(hf_state, self.hf_config)
