@@ -110,8 +110,9 @@ def shard_documents(docs: Sequence[TrainDocument], world_size: int) -> list[list
 
 def _rows_for_rank(
     minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None, *, merge: bool
-) -> tuple[list[PackedRow], MinibatchTotals, int]:
-    """This rank's rows, the minibatch's totals over all ranks, and how many rows are real.
+) -> tuple[list[PackedRow], MinibatchTotals, int, int]:
+    """This rank's rows, the minibatch's totals over all ranks, how many rows are real, and how
+    many documents were merged into an identical one's copy.
 
     With ``merge``, identical documents are laid out once (their rows carry the multiplicity).
     With data parallelism every rank runs as many rows as the busiest one (FSDP's forward and
@@ -122,12 +123,14 @@ def _rows_for_rank(
         sequences=float(sum(d.multiplicity for d in minibatch if any(d.loss_mask))),
         budget=settings.budget,
     )
+    count = len(minibatch)
     if merge:
         minibatch = merge_duplicates(minibatch)
+    repeats = count - len(minibatch)
     if dp is None:
         rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing,
                               share_prompts=settings.share_prompts)
-        return rows, totals, len(rows)
+        return rows, totals, len(rows), repeats
     per_rank = [
         pack_documents(shard, settings.max_tokens_per_row, packing=settings.packing,
                        share_prompts=settings.share_prompts) if shard else []
@@ -137,7 +140,7 @@ def _rows_for_rank(
     real = len(rows)
     filler = next(r for rows_ in per_rank for r in rows_)
     filler = replace(filler, loss_mask=torch.zeros_like(filler.loss_mask))
-    return rows + [filler] * (max(len(r) for r in per_rank) - real), totals, real
+    return rows + [filler] * (max(len(r) for r in per_rank) - real), totals, real, repeats
 
 
 def split_minibatches(docs: Sequence[TrainDocument], n: int) -> list[list[TrainDocument]]:
@@ -191,10 +194,13 @@ def policy_update(
     mismatch_max, mismatch_sum, mismatch_kl, mismatch_n = 0.0, 0.0, 0.0, 0
     grad_norms: list[float] = []
     updates = 0
+    merged = 0  # samples of the step trained through an identical sample's copy
     for epoch in range(algo.epochs):
         for mb_index, minibatch in enumerate(split_minibatches(docs, algo.minibatches)):
-            rows, totals, real_rows = _rows_for_rank(minibatch, settings, dp,
-                                                     merge=settings.merge_duplicates and extra_loss is None)
+            rows, totals, real_rows, repeats = _rows_for_rank(minibatch, settings, dp,
+                                                              merge=settings.merge_duplicates and extra_loss is None)
+            if epoch == 0:
+                merged += repeats
             if totals.tokens == 0:
                 continue
             world = dp.world_size if dp else 1
@@ -269,6 +275,7 @@ def policy_update(
         "logprob_mismatch_mean": mismatch_sum / max(mismatch_n, 1),
         "logprob_mismatch_kl": mismatch_kl / max(mismatch_n, 1),
         "optimizer_steps": float(updates),
+        "merged_samples": float(merged),
         "train_tokens": sums.get("row_tokens", 0.0),
     }
     if reference is not None and algo.kl_coef:

@@ -109,6 +109,7 @@ def test_merged_repeats_give_the_update_of_every_copy(models, method, share) -> 
     every, grads_every = _update(model, reference, docs, method, merge=False, share=share)
     merged, grads_merged = _update(model, reference, docs, method, merge=True, share=share)
     assert merged["train_tokens"] < 0.85 * every["train_tokens"]  # the repeats really were left out
+    assert (merged["merged_samples"], every["merged_samples"]) == (4, 0)
     for key in STATS:
         assert merged[key] == pytest.approx(every[key], rel=1e-5, abs=1e-7), key
     torch.testing.assert_close(grads_merged, grads_every, rtol=1e-5, atol=1e-7)
