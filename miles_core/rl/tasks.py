@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from miles_core.errors import ConfigError
@@ -56,7 +56,9 @@ class RewardInput:
     turns: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # the fields are strings and an int: a copy of the instance's dict is the document, without
+        # asdict's recursive deep copy (~5 us a sample against ~0.2 us, every sample of every step)
+        return dict(vars(self))
 
 
 RewardFn = Callable[[Sequence[RewardInput]], Sequence[float]]

@@ -49,6 +49,16 @@ def test_sandboxed_checker_program_matches_in_process_twin(tmp_path):
     assert reward.decode(out.stdout, len(inputs)) == first_token_reward(inputs) == [1.0, 0.0, 1.0, 0.0]
 
 
+def test_a_reward_input_document_has_every_field_in_order():
+    from dataclasses import asdict
+
+    item = _input("7", "1")
+    document = item.to_json()
+    assert document == asdict(item) and list(document) == list(asdict(item))
+    document["completion"] = "changed"  # a copy: the frozen input stays as it was
+    assert item.completion == "1" and item.to_json() == asdict(item)
+
+
 @pytest.mark.parametrize("stdout", ["not json", "[1.0]", '[1.0, "x"]', "[1.0, NaN]", '{"a": 1}'])
 def test_sandbox_reward_rejects_malformed_output(stdout):
     with pytest.raises(RuntimeError, match="reward 'r'"):
