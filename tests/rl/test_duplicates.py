@@ -56,6 +56,37 @@ def test_exact_repeats_merge_into_their_first_copy() -> None:
     assert merge_duplicates(distinct) == distinct
 
 
+def test_merging_keeps_every_sample_and_only_merges_equals() -> None:
+    """Random batches from a small pool of samples and their near twins, which share everything
+    the candidate key reads (advantage, lengths, last token and log-prob) and differ in an earlier
+    token, the loss mask or a log-prob (each comparison dropped from the merge fails this)."""
+    import random
+
+    rng = random.Random(7)
+    pool = []
+    for _ in range(6):
+        base = TrainDocument(tuple([rng.randrange(1, 5) for _ in range(3)] + [rng.randrange(1, 3), 2, 9]), 3,
+                             (1, 1, 1), (-1.0, -0.5, -0.25), rng.choice([0.5, -0.5]))
+        pool += [  # and its near twins, each different in one field the candidate key does not read
+            base,
+            replace(base, token_ids=(*base.token_ids[:3], 3 - base.token_ids[3], 2, 9)),
+            replace(base, loss_mask=(1, 0, 1)),
+            replace(base, rollout_logprobs=(-2.0, -0.5, -0.25)),
+            replace(base, multiplicity=2),
+        ]
+    for _ in range(50):
+        docs = [rng.choice(pool) for _ in range(rng.randrange(1, 40))]
+        merged = merge_duplicates(docs)
+        assert sum(d.multiplicity for d in merged) == sum(d.multiplicity for d in docs)
+        plain = [replace(d, multiplicity=1) for d in merged]
+        assert len(set(plain)) == len(plain)  # what is left is pairwise different
+        first_seen = list(dict.fromkeys(replace(d, multiplicity=1) for d in docs))
+        assert plain == first_seen  # in order of first occurrence
+        for d in merged:
+            twin = replace(d, multiplicity=1)
+            assert d.multiplicity == sum(x.multiplicity for x in docs if replace(x, multiplicity=1) == twin)
+
+
 def test_a_multiplicity_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="multiplicity 0"):
         TrainDocument((1, 2), 1, (1,), (-1.0,), 0.0, multiplicity=0)
