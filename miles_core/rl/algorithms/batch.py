@@ -98,26 +98,21 @@ def merge_duplicates(docs: Sequence[TrainDocument]) -> list[TrainDocument]:
     # sample); the full comparison runs only on a candidate and stops at the first difference
     candidates: dict[tuple[object, ...], list[int]] = {}
     merged: list[TrainDocument] = []
-    repeats: dict[int, int] = {}
+    counts: list[int] = []
     for doc in docs:
         key = (doc.advantage, doc.response_length, len(doc.token_ids), doc.token_ids[-1], doc.rollout_logprobs[-1])
-        bucket = candidates.get(key)
-        if bucket is None:
-            candidates[key] = [len(merged)]
-            merged.append(doc)
-            continue
+        bucket = candidates.setdefault(key, [])
         for at in bucket:
             if _same_sample(merged[at], doc):
-                repeats[at] = repeats.get(at, merged[at].multiplicity) + doc.multiplicity
+                counts[at] += doc.multiplicity
                 break
         else:
             bucket.append(len(merged))
             merged.append(doc)
-    if not repeats:
+            counts.append(doc.multiplicity)
+    if len(merged) == len(docs):
         return list(docs)
-    for at, total in repeats.items():
-        merged[at] = replace(merged[at], multiplicity=total)
-    return merged
+    return [d if c == d.multiplicity else replace(d, multiplicity=c) for d, c in zip(merged, counts, strict=True)]
 
 
 def _same_sample(a: TrainDocument, b: TrainDocument) -> bool:
