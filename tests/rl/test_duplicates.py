@@ -5,8 +5,8 @@ Tolerance: both runs add the same per-token terms; the merged one multiplies a t
 where the other adds the copies one by one, in another order across rows of other sizes. In fp32
 that is a few ulps of the values involved (rel 1e-5, abs 1e-7; measured: gradients <= 2e-7 of the
 largest, statistics <= 3e-6 relative, or 2e-9 absolute where the loss's terms cancel to ~3e-5
-(gspo)), as in the shared-prompt differential (test_shared_prompts.py), whose model this file
-mirrors.
+(gspo)), as in the shared-prompt differential (test_shared_prompts.py), whose model
+(conftest's ``packed_lm``) this file uses.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.algorithms.batch import TrainDocument, merge_duplicates, pack_documents
 from miles_core.rl.algorithms.builtin import BUILTIN_ALGORITHMS
 from miles_core.rl.config import AlgorithmSection
-from miles_core.rl.policy_update import UpdateSettings, policy_update
+from miles_core.rl.policy_update import UpdateSettings
 
 register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
@@ -94,40 +94,16 @@ def test_a_multiplicity_below_one_is_refused() -> None:
         TrainDocument((1, 2), 1, (1,), (-1.0,), 0.0, multiplicity=0)
 
 
-def _model(miles_pm):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from miles_core.patches import prepare_model
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         attn_implementation="sdpa"))
-    assert prepare_model(model, pm=miles_pm, packed=True).packed_attention
-    return model
-
-
-def _update(model, reference, docs, method, *, merge: bool, share: bool, max_tokens: int = 64, extra=None):
-    from miles_core.rl.trainers.hf import row_inputs, target_logits
-
-    def forward(row, m=model):
-        return target_logits(m, row_inputs(row, torch.device("cpu")))
-
+def _settings(method, *, merge: bool, share: bool, max_tokens: int = 64) -> UpdateSettings:
     algo = AlgorithmSection(lr=1e-2, entropy_coef=0.01, kl_coef=0.1)
-    model.zero_grad(set_to_none=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients
-    settings = UpdateSettings(algo, 1.0, max_tokens, True, method=method, budget=3.0, share_prompts=share,
-                              merge_duplicates=merge)
-    stats = policy_update(docs, forward, optimizer, model.parameters(), settings,
-                          reference=lambda row: forward(row, reference), extra_loss=extra)
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return stats, grads
+    return UpdateSettings(algo, 1.0, max_tokens, True, method=method, budget=3.0, share_prompts=share,
+                          merge_duplicates=merge)
 
 
 @pytest.fixture
-def models(miles_pm):
+def models(packed_lm):
     torch.set_num_threads(1)
-    model, reference = _model(miles_pm), _model(miles_pm)
+    model, reference = packed_lm(), packed_lm()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.02)
@@ -136,11 +112,11 @@ def models(miles_pm):
 
 @pytest.mark.parametrize("method", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
 @pytest.mark.parametrize("share", [False, True], ids=["whole", "shared-prompts"])
-def test_merged_repeats_give_the_update_of_every_copy(models, method, share) -> None:
+def test_merged_repeats_give_the_update_of_every_copy(models, lr0_update, method, share) -> None:
     model, reference = models
     docs = _docs()
-    every, grads_every = _update(model, reference, docs, method, merge=False, share=share)
-    merged, grads_merged = _update(model, reference, docs, method, merge=True, share=share)
+    every, grads_every = lr0_update(model, docs, _settings(method, merge=False, share=share), reference)
+    merged, grads_merged = lr0_update(model, docs, _settings(method, merge=True, share=share), reference)
     assert merged["train_tokens"] < 0.85 * every["train_tokens"]  # the repeats really were left out
     assert (merged["merged_samples"], every["merged_samples"]) == (6, 0)
     for key in STATS:
@@ -149,21 +125,21 @@ def test_merged_repeats_give_the_update_of_every_copy(models, method, share) -> 
 
     # negative control: the repeats dropped instead of weighted give another update
     dropped = [replace(d, multiplicity=1) for d in merge_duplicates(docs)]
-    _, grads_dropped = _update(model, reference, dropped, method, merge=False, share=share)
+    _, grads_dropped = lr0_update(model, dropped, _settings(method, merge=False, share=share), reference)
     assert not torch.allclose(grads_dropped, grads_every, rtol=1e-3, atol=1e-5)
 
 
-def test_merging_holds_across_minibatch_rows(models) -> None:
+def test_merging_holds_across_minibatch_rows(models, lr0_update) -> None:
     """Rows of 16 tokens: copies land in other rows than their first occurrence when unmerged."""
     model, reference = models
     grpo = BUILTIN_ALGORITHMS[0]
-    every, grads_every = _update(model, reference, _docs(), grpo, merge=False, share=False, max_tokens=16)
-    merged, grads_merged = _update(model, reference, _docs(), grpo, merge=True, share=False, max_tokens=16)
+    every, grads_every = lr0_update(model, _docs(), _settings(grpo, merge=False, share=False, max_tokens=16), reference)
+    merged, grads_merged = lr0_update(model, _docs(), _settings(grpo, merge=True, share=False, max_tokens=16), reference)
     assert merged["loss"] == pytest.approx(every["loss"], rel=1e-5)
     torch.testing.assert_close(grads_merged, grads_every, rtol=1e-5, atol=1e-7)
 
 
-def test_a_row_loss_of_the_backend_keeps_every_copy(models) -> None:
+def test_a_row_loss_of_the_backend_keeps_every_copy(models, lr0_update) -> None:
     """An auxiliary loss (MTP) is the row's own: with one, the update lays out every copy."""
     model, reference = models
     grpo = BUILTIN_ALGORITHMS[0]
@@ -173,7 +149,7 @@ def test_a_row_loss_of_the_backend_keeps_every_copy(models) -> None:
         seen.append(row.num_docs)
         return torch.zeros(())
 
-    _update(model, reference, _docs(), grpo, merge=True, share=False, max_tokens=4096, extra=extra)
+    lr0_update(model, _docs(), _settings(grpo, merge=True, share=False, max_tokens=4096), reference, extra)
     assert seen == [len(_docs())]
 
 

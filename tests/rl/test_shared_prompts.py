@@ -17,23 +17,9 @@ from miles_core.ci.register import register_cpu_ci
 from miles_core.rl.algorithms.batch import TrainDocument, pack_documents
 from miles_core.rl.algorithms.builtin import BUILTIN_ALGORITHMS
 from miles_core.rl.config import AlgorithmSection
-from miles_core.rl.policy_update import UpdateSettings, policy_update
+from miles_core.rl.policy_update import UpdateSettings
 
 register_cpu_ci(est_time=10, suite="stage-a-cpu")
-
-
-def _model(kind: str, miles_pm):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    from miles_core.patches import prepare_model
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
-    model = (LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama"
-             else Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common)))
-    assert prepare_model(model, pm=miles_pm, packed=True).packed_attention
-    return model
 
 
 def _docs(equal: bool = False) -> list[TrainDocument]:
@@ -53,45 +39,34 @@ def _docs(equal: bool = False) -> list[TrainDocument]:
     return [docs[i] for i in gen_order]
 
 
-def _update(model, docs, share: bool, method, reference=None):
-    from miles_core.rl.trainers.hf import row_inputs, target_logits
-
-    def forward(row, m=model):
-        return target_logits(m, row_inputs(row, torch.device("cpu")))
-
+def _settings(share: bool, method, reference) -> UpdateSettings:
     algo = AlgorithmSection(lr=1e-2, entropy_coef=0.01, kl_coef=0.1 if reference is not None else 0.0)
-    model.zero_grad(set_to_none=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: compare gradients
-    settings = UpdateSettings(algo, 1.0, 64, True, method=method, budget=3.0, share_prompts=share)
-    ref = (lambda row: forward(row, reference)) if reference is not None else None
-    stats = policy_update(docs, forward, optimizer, model.parameters(), settings, reference=ref)
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return stats, grads
+    return UpdateSettings(algo, 1.0, 64, True, method=method, budget=3.0, share_prompts=share)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("method", BUILTIN_ALGORITHMS, ids=lambda a: a.name)
 @pytest.mark.parametrize("equal", [False, True], ids=["mixed-lengths", "equal-lengths"])
-def test_a_shared_prompt_row_updates_like_whole_documents(miles_pm, kind, method, equal) -> None:
+def test_a_shared_prompt_row_updates_like_whole_documents(packed_lm, lr0_update, kind, method, equal) -> None:
     torch.set_num_threads(1)
     docs = _docs(equal)
-    model = _model(kind, miles_pm)
-    reference = _model(kind, miles_pm)
+    model = packed_lm(kind)
+    reference = packed_lm(kind)
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.02)
-    whole, grads_whole = _update(model, docs, False, method, reference)
-    shared, grads_shared = _update(model, docs, True, method, reference)
+    whole, grads_whole = lr0_update(model, docs, _settings(False, method, reference), reference)
+    shared, grads_shared = lr0_update(model, docs, _settings(True, method, reference), reference)
     assert shared["train_tokens"] < 0.6 * whole["train_tokens"]  # the rows really are smaller
     for key in ("loss", "entropy", "approx_kl", "kl_ref", "clip_fraction"):
         assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     torch.testing.assert_close(grads_shared, grads_whole, rtol=1e-5, atol=1e-7)
 
 
-def test_without_the_branches_a_shared_row_is_wrong(miles_pm) -> None:
+def test_without_the_branches_a_shared_row_is_wrong(packed_lm) -> None:
     """Negative control: the same shared row attended as independent segments (no branches: each
     response alone, without its prompt) gives other log-probs."""
-    model = _model("llama", miles_pm)
+    model = packed_lm("llama")
     (row,) = pack_documents(_docs()[:6], 64, share_prompts=True)
     assert row.branches
     from miles_core.patches.packing import PACKING_KWARG, packed_sequences
