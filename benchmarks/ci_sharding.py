@@ -21,6 +21,7 @@ Usage: python benchmarks/ci_sharding.py
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -228,6 +229,8 @@ def discovery(files: int = 500) -> dict:
 
 
 def main() -> None:
+    if importlib.util.find_spec("highspy") is None:
+        sys.exit("ci_sharding.py needs highspy for the exact optimum, the bench extra: pip install -e '.[bench]'")
     load_before = os.getloadavg()[0]
     cases, never_worse = sharding()
     planner_worst = max(c["planner_worst"] for c in cases)

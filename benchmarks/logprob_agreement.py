@@ -27,7 +27,7 @@ from miles_core.engine.presets import preset_dir
 from miles_core.patches import prepare_model
 from miles_core.rl.algorithms.batch import TrainDocument, pack_documents
 from miles_core.rl.algorithms.losses import token_logprobs
-from miles_core.rl.trainers.hf import load_causal_lm, target_logits
+from miles_core.rl.trainers.hf import load_causal_lm, row_inputs, target_logits
 
 
 def score(path: Path, dtype: str, device: torch.device, docs: Sequence[TrainDocument], max_tokens_per_row: int,
@@ -41,7 +41,7 @@ def score(path: Path, dtype: str, device: torch.device, docs: Sequence[TrainDocu
         for packing in layouts:
             logprobs, owners = [], []
             for row in pack_documents(docs, max_tokens_per_row, packing=packing):
-                logits = target_logits(model, row, device)
+                logits = target_logits(model, row_inputs(row, device))
                 logprobs.append(token_logprobs(logits, row.targets.to(device)).cpu())
                 owners.append(row.advantages)  # each document's index (see main)
             # a stable sort by document restores document order, each document's tokens in order

@@ -32,6 +32,7 @@ Needs ``pip install -e ".[bench]"`` (trl 1.16).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -240,6 +241,8 @@ def main() -> None:
     parser.add_argument("--worker", choices=["trl", "trl-defaults", "miles"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if importlib.util.find_spec("trl") is None:
+        sys.exit("rl_vs_trl.py needs trl 1.16, the bench extra: pip install -e '.[bench]'")
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.seed, args.max_steps)), flush=True)
         return
