@@ -26,7 +26,7 @@ import time
 
 
 def _clocks() -> dict[str, float]:
-    return {t.name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+    return {t.name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
             for t in threading.enumerate() if t.ident is not None and t.is_alive()}
 
 

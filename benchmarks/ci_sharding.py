@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from miles_core.ci.discovery import Marker, discover, find_test_files
@@ -98,7 +99,7 @@ def optimum(times: list[float], shards: int) -> float:
 
 
 @contextlib.contextmanager
-def stdout_to_stderr():
+def stdout_to_stderr() -> Iterator[None]:
     """HiGHS prints a banner on stdout from C++; this script's stdout is one JSON line."""
     sys.stdout.flush()
     saved = os.dup(1)

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import torch
 
@@ -39,12 +39,15 @@ from miles_core.patches.packing import packed_position_ids
 from miles_core.rl.trainers.compile import compile_regions
 from miles_core.testing import isolated_plugin_manager
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 #: H200 dense bf16 matmul rate measured on the lent machines (8192^3 products, random data)
 PEAK_BF16_FLOPS = 790e12
 GPU_LENGTHS = [4096, 2048, 1536, 1024, 640, 384, 256, 64]
 CPU_LENGTHS = [256, 64, 512, 128, 64]
 
-CPU_MODEL = dict(
+CPU_MODEL: dict[str, Any] = dict(
     vocab_size=1024,
     hidden_size=128,
     intermediate_size=256,
@@ -58,7 +61,7 @@ CPU_MODEL = dict(
     linear_key_head_dim=32,
     linear_value_head_dim=32,
 )
-GPU_MODEL = dict(
+GPU_MODEL: dict[str, Any] = dict(
     vocab_size=32000,
     hidden_size=1024,
     intermediate_size=3584,
@@ -74,12 +77,23 @@ GPU_MODEL = dict(
     tie_word_embeddings=False,
     max_position_embeddings=8192,
 )
-SMOKE_MODEL = dict(CPU_MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   layer_types=["linear_attention", "full_attention"], head_dim=16,
-                   linear_key_head_dim=8, linear_value_head_dim=8)
+SMOKE_MODEL: dict[str, Any] = dict(CPU_MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   layer_types=["linear_attention", "full_attention"], head_dim=16,
+                                   linear_key_head_dim=8, linear_value_head_dim=8)
 
 
-def build_model(overrides: dict[str, Any], device: str = "cpu") -> torch.nn.Module:
+class Batch(TypedDict):
+    """A training batch, the model's keyword arguments: packed (``position_ids``) or padded
+    (``attention_mask``)."""
+
+    input_ids: torch.Tensor
+    position_ids: NotRequired[torch.Tensor]
+    attention_mask: NotRequired[torch.Tensor]
+    labels: torch.Tensor
+    use_cache: bool
+
+
+def build_model(overrides: dict[str, Any], device: str = "cpu") -> PreTrainedModel:
     """A Qwen3.5-architecture causal LM with random weights (the same for every call)."""
     from miles_qwen35.tiny import tiny_config
     from transformers import AutoModelForCausalLM
@@ -103,7 +117,7 @@ def median_times(steps: dict[str, Callable[[], None]], iters: int, warmup: int, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def packed_batch(lengths: list[int], vocab: int, device: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def packed_batch(lengths: list[int], vocab: int, device: str, generator: torch.Generator) -> Batch:
     """One row, position ids restarting per document, no label across a boundary."""
     ids = torch.randint(2, vocab, (1, sum(lengths)), generator=generator).to(device)
     position_ids = packed_position_ids(lengths, device=device)
@@ -112,7 +126,7 @@ def packed_batch(lengths: list[int], vocab: int, device: str, generator: torch.G
     return {"input_ids": ids, "position_ids": position_ids, "labels": labels, "use_cache": False}
 
 
-def padded_batch(packed: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, torch.Tensor]:
+def padded_batch(packed: Batch, lengths: list[int]) -> Batch:
     """The same documents, one per row, right-padded to the longest."""
     width = max(lengths)
     ids = packed["input_ids"].new_zeros(len(lengths), width)
@@ -124,7 +138,7 @@ def padded_batch(packed: dict[str, torch.Tensor], lengths: list[int]) -> dict[st
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
 
 
-def train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], rows_per_forward: int | None = None
+def train_step(model: torch.nn.Module, batch: Batch, rows_per_forward: int | None = None
                ) -> Callable[[], None]:
     """One optimizer step's gradients of ``batch``, its rows ``rows_per_forward`` at a time (all at
     once by default): each micro-batch's loss is its label tokens' sum over the whole batch's count
@@ -144,7 +158,7 @@ def train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], rows_per_
 
 
 @torch.no_grad()
-def per_document_diffs(model: torch.nn.Module, unprepared: torch.nn.Module, batch: dict[str, torch.Tensor],
+def per_document_diffs(model: torch.nn.Module, unprepared: torch.nn.Module, batch: Batch,
                        lengths: list[int]) -> dict[str, float]:
     """Max |packed - alone| over all documents' logits, with the packing context (``model``, prepared)
     and without it (``unprepared``: the same weights, no packing scope anywhere -- every entry point
@@ -224,7 +238,8 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     overrides = SMOKE_MODEL if args.smoke else GPU_MODEL
     lengths = [n // 32 for n in GPU_LENGTHS] if args.smoke else GPU_LENGTHS
     lengths = lengths * args.mix_copies
-    model = build_model(overrides, device).to(torch.bfloat16)
+    # transformers decorates to() with functools.wraps(Module.to), which types it as the unbound method
+    model: PreTrainedModel = build_model(overrides, device).to(torch.bfloat16)  # type: ignore[arg-type]
     report = prepare_model(model)
     if args.attention == "sdpa":
         model.set_attn_implementation("sdpa")  # transformers' dense block-diagonal mask
@@ -232,7 +247,7 @@ def cuda_benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, 
     packed = packed_batch(lengths, overrides["vocab_size"], device, torch.Generator().manual_seed(1))
     padded = padded_batch(packed, lengths)
     # before compiling: eval-mode forwards of new shapes would recompile the compiled regions
-    unprepared = build_model(overrides, device).to(torch.bfloat16)  # the same weights
+    unprepared = build_model(overrides, device).to(torch.bfloat16)  # type: ignore[arg-type]  # the same weights
     diffs_bf16 = per_document_diffs(model.eval(), unprepared.eval(), packed, lengths)
     del unprepared
     model.train()
@@ -297,7 +312,7 @@ def gpu_busy_seconds(prof: Any) -> float:
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
-    out = {"torch": torch.__version__}
+    out: dict[str, str] = {"torch": torch.__version__}
     for dist in ("transformers", "flash-linear-attention", "triton", "tilelang"):
         try:
             out[dist] = metadata.version(dist)

@@ -62,6 +62,8 @@ def _step(tensors: tuple[torch.Tensor, ...], positions: torch.Tensor, branches: 
             torch.cuda.synchronize(q.device)
         started = time.perf_counter()
         ctx = packed_sequences(positions, branches=branches)
+        if ctx is None:
+            raise ValueError("the row holds a single document (one group of one response): nothing is packed")
         attention._per_document(q, k, v, ctx, DIM**-0.5, 0.0).sum().backward()
         if q.is_cuda:
             torch.cuda.synchronize(q.device)

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,15 @@ def trl_args(variant: str, seed: int, max_steps: int) -> dict[str, Any]:
 
 def run_trl(model_dir: Path, seed: int, max_steps: int, variant: str) -> dict:
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from datasets import Dataset  # type: ignore[import-untyped]
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(1)
@@ -105,7 +113,7 @@ def run_trl(model_dir: Path, seed: int, max_steps: int, variant: str) -> dict:
     items = prompts()
     answers = dict(items)
 
-    def reward(prompts, completions, **_):
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float | None]:  # TRL's RewardFunc
         return [1.0 if c[:1] == answers[p] else 0.0 for p, c in zip(prompts, completions)]
 
     @torch.no_grad()
@@ -127,10 +135,12 @@ def run_trl(model_dir: Path, seed: int, max_steps: int, variant: str) -> dict:
             self.reached: float | None = None
             self.accuracy = 0.0
 
-        def on_train_begin(self, args, state, control, **kw):
+        def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                           **kw: Any) -> None:
             self.started = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                        **kw: Any) -> None:
             self.steps += 1
             pause = time.perf_counter()
             self.accuracy = greedy_accuracy()
@@ -170,6 +180,15 @@ def miles_overrides(model_dir: Path, seed: int, max_steps: int, out_dir: Path) -
     }
 
 
+def _number(record: Mapping[str, object], key: str, default: float | None = None) -> float:
+    """``record[key]`` (``default`` when given and the key is absent) as a number: a metrics record's
+    values are of several types."""
+    value = record[key] if default is None else record.get(key, default)
+    if not isinstance(value, float | int):
+        raise TypeError(f"metrics record: {key!r} is {value!r}, not a number")
+    return value
+
+
 def run_miles(model_dir: Path, seed: int, max_steps: int, out_dir: Path) -> dict:
     import torch
 
@@ -181,7 +200,7 @@ def run_miles(model_dir: Path, seed: int, max_steps: int, out_dir: Path) -> dict
     config = load_config(overrides=[miles_overrides(model_dir, seed, max_steps, out_dir)])
     result = train(config, get_plugin_manager())
     records = result.records
-    training = sum(r["time_step"] - r.get("time_eval", 0.0) for r in records)
+    training = sum(_number(r, "time_step") - _number(r, "time_eval", 0.0) for r in records)
     steps = len(records)
     # evaluated before each step, and once after the last one (as TRL evaluates after each step)
     reached = result.stopped_early or (result.final_accuracy or 0.0) >= TARGET
@@ -191,7 +210,7 @@ def run_miles(model_dir: Path, seed: int, max_steps: int, out_dir: Path) -> dict
         "reached": reached,
         "final_accuracy": result.final_accuracy,
         "ms_per_step": 1000 * training / max(steps, 1),
-        "max_logprob_mismatch": max((r["logprob_mismatch_max"] for r in records), default=None),
+        "max_logprob_mismatch": max((_number(r, "logprob_mismatch_max") for r in records), default=None),
     }
 
 

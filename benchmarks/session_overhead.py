@@ -44,6 +44,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+    from miles_core.engine.http import HTTPPool
 
 TARGETS = {"added_p50_ms": 2.0, "added_p99_ms": 10.0, "assembly_32k_ms": 50.0, "throughput_ratio": 0.9}
 DELAY_FIELD = "stub_delay_s"  # an extra body field: forwarded upstream by the session server
@@ -62,6 +68,8 @@ def _fixed_reply() -> dict:
     from miles_core.testing.engine_stub import chat_reply
 
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
+    if tok.stop_id is None:
+        raise ValueError(f"the tokenizer in {_tokenizer_dir()} has no stop token to end the reply with")
     ids = [*tok.encode(COMPLETION_TEXT), tok.stop_id]
     return chat_reply("bench", {"role": "assistant", "content": COMPLETION_TEXT}, ids, "stop", prompt_tokens=0)
 
@@ -83,7 +91,8 @@ class _StubProtocol(asyncio.Protocol):
         self._pending: asyncio.Future | None = None  # the previous reply on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
+        # a stream transport: uvloop's have asyncio.Transport's methods but do not subclass it
+        self._transport: asyncio.Transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -115,7 +124,7 @@ class _StubProtocol(asyncio.Protocol):
         loop.call_later(delay, answer)
 
 
-def _run_stub(queue) -> None:
+def _run_stub(queue: Queue[tuple[str, int]]) -> None:
     import socket
 
     import uvloop
@@ -138,7 +147,7 @@ def _run_stub(queue) -> None:
     uvloop.run(serve())
 
 
-def _run_session_server(queue, upstream: str, version: str, workers: int) -> None:
+def _run_session_server(queue: Queue[tuple[str, list[int]]], upstream: str, version: str, workers: int) -> None:
     """``miles session serve --workers N`` as a function: the pids reported are the workers'."""
     from miles_core.session.config import SessionServerConfig
     from miles_core.session.embed import base_url, bind_socket, serve_forever
@@ -167,7 +176,7 @@ def _machine_ticks() -> tuple[int, int]:
     return values[3] + values[4], sum(values)
 
 
-def _client(url: str):
+def _client(url: str) -> HTTPPool:
     from miles_core.engine.http import HTTPPool
 
     headers = {"user-agent": "session-overhead-bench", "content-type": "application/json"}
@@ -210,7 +219,7 @@ async def _agents(
     return latencies, time.perf_counter() - started, ids
 
 
-def _phase(url: str, args, *, through_session: bool, pids: dict[str, int]) -> dict:
+def _phase(url: str, args: argparse.Namespace, *, through_session: bool, pids: dict[str, int]) -> dict:
     """One run of the agents, with the CPU every process spent and the machine's idle share."""
     import uvloop
 
@@ -262,7 +271,11 @@ def _assembly(version_name: str, total_tokens: int = 32_768, repeats: int = 20) 
     from miles_core.strict_json import dumps
 
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
-    version = {"v1": LinearVersion(), "v2": TreeVersion()}[version_name]
+    stop_id = tok.stop_id
+    if stop_id is None:
+        raise ValueError(f"the tokenizer in {_tokenizer_dir()} has no stop token to end a turn with")
+    versions: dict[str, LinearVersion | TreeVersion] = {"v1": LinearVersion(), "v2": TreeVersion()}
+    version = versions[version_name]
     store = version.create_store(max_turns=1024)
     history: list[dict] = []
     turn = 0
@@ -271,7 +284,7 @@ def _assembly(version_name: str, total_tokens: int = 32_768, repeats: int = 20) 
         chat = normalize_chat_request(json.dumps({"messages": history}).encode())
         plan = store.plan(chat, tok)
         text = f"thought {turn}: " + "reasoning " * 100
-        ids = (*tok.encode(text), tok.stop_id)
+        ids = (*tok.encode(text), stop_id)
         completion = Completion({"role": "assistant", "content": text}, ids, tuple(-0.5 for _ in ids), "stop", "w0")
         store.commit(plan, completion, TurnRecord(dumps({"input_ids": list(plan.prompt_ids)}), b"{}", 0.0, 0.0))
         history.append(completion.message)
