@@ -122,7 +122,7 @@ def _version(init_file: Path) -> str:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff, then mypy on miles_core and the plugins (``[tool.mypy]`` in pyproject.toml) against the
+    """ruff, then mypy on miles_core, the plugins and the benchmarks (``[tool.mypy]`` in pyproject.toml) against the
     real dependencies, so everything is installed (torch first). mypy's incremental cache lives in
     a temporary directory of this run: a cache left by another checkout never decides a result."""
     session.install("ruff>=0.6")

@@ -95,7 +95,7 @@ def trl_args(variant: str, seed: int, max_steps: int) -> dict[str, Any]:
 
 def run_trl(model_dir: Path, seed: int, max_steps: int, variant: str) -> dict:
     import torch
-    from datasets import Dataset  # type: ignore[import-untyped]
+    from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
