@@ -37,11 +37,19 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """Which model is trained (and served to the engine). Exactly one of ``preset``/``path``."""
+    """Which model is trained (and served to the engine). Exactly one of ``preset``/``path``;
+    neither means the ``tiny`` preset, so ``--set model.dtype=...`` alone keeps the default model."""
 
     preset: str | None = Field(None, description="engine model preset built by code (tiny, small-gpu)")
     path: str | None = Field(None, description="local Hugging Face model directory (config, safetensors, tokenizer)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training and serving dtype")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_preset(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("preset") is None and data.get("path") is None:
+            return {**data, "preset": "tiny"}
+        return data
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -217,7 +225,7 @@ class RunSection(_Section):
 class TrainConfig(_Section):
     """Everything ``miles train`` needs; see each section."""
 
-    model: ModelSection = Field(default_factory=lambda: ModelSection(preset="tiny"))
+    model: ModelSection = ModelSection()
     task: TaskSection = TaskSection()
     rollout: RolloutSection = RolloutSection()
     reward: RewardSection = RewardSection()

@@ -28,6 +28,18 @@ def test_model_path_replaces_preset_model():
     assert cfg.model.path == "/models/x" and cfg.model.preset is None
 
 
+def test_a_model_setting_alone_keeps_the_default_model(tmp_path):
+    assert TrainConfig().model.preset == "tiny"
+    assert load_config(overrides=["model.dtype=bfloat16"]).model.model_dump() == {
+        "preset": "tiny", "path": None, "dtype": "bfloat16"}
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\ndtype = "bfloat16"\n')
+    assert load_config(file=toml).model.preset == "tiny"
+    # one layer naming both sources is still refused, by name
+    with pytest.raises(ConfigError, match=r"exactly one of model\.preset and model\.path"):
+        load_config(overrides=[{"model": {"preset": "tiny", "path": "/models/x"}}])
+
+
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
