@@ -87,3 +87,25 @@ def test_visible_devices_parsing(value: str, parsed: list[str]) -> None:
 def test_each_builtin_backend_names_a_registered_ci_kind(miles_pm_factory) -> None:
     kinds = {c.name for c in miles_pm_factory(builtins=True).contributions("ci")}
     assert {CpuBackend.ci_hardware, CudaBackend.ci_hardware} <= kinds
+
+
+def test_the_capabilities_table_of_the_docs_lists_every_capability_and_each_backends_claims() -> None:
+    from pathlib import Path
+
+    from miles_core.hardware.base import CAPABILITIES
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "hardware.md").read_text()
+    section = text.split("### Capabilities", 1)[1].split("\n### ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    table = {cells[0].strip().strip("`"): [c.strip() for c in cells[2:]] for cells in rows}
+    assert table.keys() == CAPABILITIES.keys()
+    backends = [CpuBackend, CudaBackend]
+    try:
+        from miles_rocm.backend import RocmBackend  # the plugin's column, where it is installed
+    except ModuleNotFoundError:
+        pass
+    else:
+        backends.append(RocmBackend)
+    for column, backend in enumerate(backends):
+        claimed = {name for name, marks in table.items() if marks[column] == "✓"}
+        assert claimed == backend.capabilities, backend.name
