@@ -84,23 +84,25 @@ def providers(as_json: bool, no_verify: bool) -> None:
         emit_json({"providers": rows, "broken_plugins": broken})
         return
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="sandbox providers", title_justify="left")
     for column in ("provider", "plugin", "status", "isolation / capabilities / detail"):
         table.add_column(column, overflow="fold")
     for row in rows:
         caps = row["facts"].get("capabilities", {})
-        summary = (
-            ", ".join(f"{k}={v}" for k, v in caps.items()) if caps else row["detail"] or row["description"]
-        )
-        isolation = _isolation_line(row["facts"])
-        if isolation:
-            summary = f"{isolation}\n{summary}"
+        limits_by = row["facts"].get("limits_by")
+        lines = [
+            _isolation_line(row["facts"]),
+            f"limits: {limits_by}" if limits_by else "",
+            ", ".join(f"{k}={v}" for k, v in caps.items()) if caps else row["detail"] or row["description"],
+        ]
         table.add_row(
             plain(row["name"]),
             plain(f"{row['plugin']} ({row['distribution']} {row['version']})"),
             styled(row["status"]),
-            plain(summary),
+            # one sanitized Text per line: plain() shows a newline inside its value as "\n"
+            Text("\n").join(plain(line) for line in lines if line),
         )
     out = console()
     out.print(table)

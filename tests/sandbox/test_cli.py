@@ -49,6 +49,8 @@ def test_providers_json_reports_the_verified_local_provider(cli) -> None:  # typ
         assert facts["seen_inside"]["NoNewPrivs"] == "1"
     code, out, _ = cli("sandbox", "providers")
     assert code == 0 and f"isolation: {facts['isolation']}" in out and "python:" in out
+    # the table says how limits are enforced, on lines of their own (not an escaped "\n")
+    assert "limits: " in out and "\\n" not in out
 
 
 def test_run_has_python_on_the_path(cli) -> None:  # type: ignore[no-untyped-def]
