@@ -20,6 +20,7 @@ Usage: python benchmarks/ci_sharding.py
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -230,6 +231,7 @@ def discovery(files: int = 500) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if importlib.util.find_spec("highspy") is None:
         sys.exit("ci_sharding.py needs highspy for the exact optimum, the bench extra: pip install -e '.[bench]'")
     load_before = os.getloadavg()[0]
