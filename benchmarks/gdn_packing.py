@@ -10,8 +10,8 @@ prepared / unprepared step time (target <= 1.5).
 (forward+backward) on 8 documents of 64-4096 tokens, packed into one row vs padded to
 ``[8, 4096]`` and run in micro-batches of ``--padded-rows`` rows with the gradients accumulated
 (default: as many rows as the packed row's tokens fill, so both sides hold about the same
-activations; all 8 rows at once need ~95 GB); headline ``ratio``: packed / padded real tokens per second (target >= 2.4), with
-MFU (6 * parameters * tokens / time against the measured bf16 matmul rate) and the max diff
+activations; all 8 rows at once need ~95 GB); headline ``ratio``: packed / padded real tokens
+per second (target >= 2.4), with MFU (6 * parameters * tokens / time against the measured bf16 matmul rate) and the max diff
 between packed and per-document logits (with and without the packing context; bf16, and fp32
 with ``--fp32-diffs``). ``--attention sdpa`` and ``--compile`` measure the two speed-ups alone; ``--mix-copies K``
 packs the length mix K times into the row (a trainer's ``max_tokens_per_row`` of ~10k x K), which
