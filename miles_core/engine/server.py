@@ -137,7 +137,9 @@ class EmbeddedServer:
     The listening socket is bound at construction (``port=0`` picks a free port), so
     :attr:`base_url` is known before serving. ``start()`` serves from a background thread (tests,
     ``miles train``); ``serve_forever()`` serves from the calling thread until SIGINT/SIGTERM
-    (``miles engine serve``).
+    (``miles engine serve``), then returns once the requests in flight are answered and the
+    engine is closed; a second SIGINT meanwhile exits the process at once with status 130
+    (:class:`~miles_core.session.embed.SignalStopped`).
     """
 
     def __init__(
@@ -150,6 +152,8 @@ class EmbeddedServer:
         log_level: str = "warning",
     ) -> None:
         import uvicorn
+
+        from miles_core.session.embed import signal_stopped_server  # the session server's too
 
         self.engine = engine
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -169,7 +173,7 @@ class EmbeddedServer:
         config = uvicorn.Config(
             create_app(engine, default_max_tokens=default_max_tokens), log_level=log_level, lifespan="off"
         )
-        self._server = uvicorn.Server(config)
+        self._server = signal_stopped_server()(config)  # a signal ends serve_forever() as a return
         self._thread: threading.Thread | None = None
 
     def start(self, timeout: float = 30.0) -> EmbeddedServer:

@@ -195,8 +195,13 @@ def serve_workers(
     on_started: Callable[[list[int]], None] | None = None,
 ) -> int:
     """Serve ``config`` on ``sock`` from ``workers`` processes until one exits or this process is
-    asked to stop (SIGINT/SIGTERM, passed on to every worker); the first nonzero exit code of a
-    worker (0 after a requested stop). ``on_started``: called with the workers' pids."""
+    asked to stop (SIGINT/SIGTERM, passed on to every worker as SIGTERM); the first nonzero exit
+    code of a worker (0 after a requested stop). A SIGINT while the workers stop (Ctrl-C pressed
+    again) kills them at once: :data:`~miles_core.session.embed.INTERRUPTED` (130). A terminal's
+    Ctrl-C reaches the workers as well; they stop on the first and leave the second to this
+    process. ``on_started``: called with the workers' pids."""
+    from miles_core.session.embed import INTERRUPTED, STOP_SIGNALS
+
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
     ctx = multiprocessing.get_context("spawn")
@@ -216,16 +221,17 @@ def serve_workers(
             end.close()
     if on_started is not None:
         on_started([p.pid for p in processes if p.pid is not None])
-    stopping = False
+    stopping = forced = False
 
     def stop(signum: int, _frame: Any) -> None:
-        nonlocal stopping
+        nonlocal stopping, forced
+        forced = forced or (stopping and signum == signal.SIGINT)  # interrupted again: stop waiting
         stopping = True
         for p in processes:
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, signal.SIGKILL if forced else signal.SIGTERM)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         from multiprocessing.connection import wait
 
@@ -240,7 +246,9 @@ def serve_workers(
                     logger.error("session worker %s exited with code %s; stopping the others", p.name, p.exitcode)
                 if not stopping:
                     stop(signal.SIGTERM, None)
-        return code
+        if forced:
+            logger.warning("interrupted again: stopped the workers without waiting for the requests in flight")
+        return code or (INTERRUPTED if forced else 0)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
