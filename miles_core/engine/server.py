@@ -139,7 +139,7 @@ class EmbeddedServer:
     ``miles train``); ``serve_forever()`` serves from the calling thread until SIGINT/SIGTERM
     (``miles engine serve``), then returns once the requests in flight are answered and the
     engine is closed; a second SIGINT meanwhile exits the process at once with status 130
-    (:class:`~miles_core.session.embed.SignalStopped`).
+    (:class:`~miles_core.uvicorn_signals.SignalStopped`).
     """
 
     def __init__(
@@ -153,7 +153,7 @@ class EmbeddedServer:
     ) -> None:
         import uvicorn
 
-        from miles_core.session.embed import signal_stopped_server  # the session server's too
+        from miles_core.uvicorn_signals import signal_stopped_server
 
         self.engine = engine
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -14,26 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import gc
 import logging
 import os
-import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugins import MilesPluginManager
 from miles_core.session.base import PromptTokenizer
 from miles_core.session.config import SessionServerConfig
+from miles_core.uvicorn_signals import SignalStopped
 
 if TYPE_CHECKING:
-    import uvicorn
 
     from miles_core.session.workers import Router
 
@@ -84,63 +81,6 @@ def uvicorn_server(
         proxy_headers=False,
     )
     return _server_class(router)(config)
-
-
-#: exit status of a server that a second SIGINT stopped during its graceful shutdown (128 + SIGINT)
-INTERRUPTED = 130
-#: the signals that stop a server gracefully
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class SignalStopped:
-    """A ``uvicorn.Server`` mixin: stopped by a signal, the server returns from ``run()`` like any
-    server that was asked to stop (``miles session serve``, ``miles engine serve``: exit status 0).
-
-    uvicorn's own server, run in the main thread, catches SIGINT and SIGTERM, shuts down
-    gracefully -- no new connections, the requests in flight answered, the app's lifespan
-    shutdown -- and then raises the signal again: SIGINT becomes a ``KeyboardInterrupt`` (click
-    prints "Aborted!", status 1) and SIGTERM kills the process (status -15), so a server that
-    stopped as asked reports a failure. This one catches the same signals, shuts down the same
-    way and does not raise them again.
-
-    A SIGINT while that shutdown waits (Ctrl-C pressed again) ends the process at once with
-    :data:`INTERRUPTED`, without waiting for the requests in flight -- unless
-    ``interrupt_exits`` is off: a worker of several leaves that to its parent, which gets the same
-    Ctrl-C (:func:`~miles_core.session.workers.serve_workers`). Another SIGTERM changes nothing.
-    In any other thread (:func:`run_app_in_thread`) no signal is caught, as with uvicorn's own.
-    """
-
-    should_exit: bool
-    interrupt_exits = True
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach the main thread only: whoever runs the server stops it
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGINT and self.should_exit and self.interrupt_exits:
-            os.write(2, b"interrupted again: exiting without waiting for the requests in flight\n")
-            os._exit(INTERRUPTED)
-        self.should_exit = True
-
-
-@functools.cache
-def signal_stopped_server() -> type[uvicorn.Server]:
-    """``uvicorn.Server`` with :class:`SignalStopped` (``miles engine serve``'s)."""
-    import uvicorn
-
-    class SignalStoppedServer(SignalStopped, uvicorn.Server):
-        pass
-
-    return SignalStoppedServer
 
 
 def _server_class(router: Router | None = None) -> type:
