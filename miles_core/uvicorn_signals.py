@@ -39,7 +39,8 @@ class SignalStopped:
     :data:`INTERRUPTED`, without waiting for the requests in flight -- unless
     ``interrupt_exits`` is off: a worker of several leaves that to its parent, which gets the same
     Ctrl-C (:func:`~miles_core.session.workers.serve_workers`). Another SIGTERM changes nothing.
-    In any other thread (:func:`~miles_core.session.embed.run_app_in_thread`, an engine started with ``start()``) no signal is caught, as with uvicorn's own.
+    In any other thread (:func:`~miles_core.session.embed.run_app_in_thread`, an engine server's
+    ``start()``) no signal is caught, as with uvicorn's own.
     """
 
     should_exit: bool
