@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from miles_core.errors import ActivationError, ConfigError
 from miles_core.hardware.base import (
     ENV_OVERRIDE,
     WORKER_ROLES,
@@ -137,7 +138,8 @@ def activate(pm: MilesPluginManager | None = None) -> ActiveHardware:
     A later call returns the cached result unless the plugin manager or ``MILES_HARDWARE``
     changed; then the previous backend's fixes are reverted before the new one is activated.
     Raises :class:`~miles_core.errors.ActivationError` (naming plugin, distribution, version,
-    backend and cause) if the backend cannot prove its fixes are in effect.
+    backend and cause) if the backend cannot prove its fixes are in effect; with exit status 2
+    (a config error's) when ``MILES_HARDWARE`` forced that backend.
     """
     global _cached
     pm = pm if pm is not None else get_plugin_manager()
@@ -160,7 +162,14 @@ def activate(pm: MilesPluginManager | None = None) -> ActiveHardware:
                 raise
             return fixes
 
-        fixes = pm.verify(selection.contribution, establish)
+        try:
+            fixes = pm.verify(selection.contribution, establish)
+        except ActivationError as exc:
+            if selection.selected_by == "override":
+                # forced by MILES_HARDWARE onto a machine it cannot run on: bad input (the message names
+                # the variable), not a broken plugin
+                exc.exit_code = ConfigError.exit_code
+            raise
         hardware = ActiveHardware(selection, fixes, pm)
         _cached = _Cached(pm, override, hardware)
         return hardware

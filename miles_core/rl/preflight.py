@@ -134,18 +134,9 @@ def check_device(config: TrainConfig, pm: MilesPluginManager) -> None:
     """
     if config.orchestrator.address is not None:
         return
-    from miles_core.errors import ActivationError
-    from miles_core.hardware.base import ENV_OVERRIDE
     from miles_core.hardware.devices import resolve_device
 
-    try:
-        device = resolve_device(config.trainer.device, "trainer.device")
-    except ActivationError as exc:
-        override = os.environ.get(ENV_OVERRIDE)
-        if not override:
-            raise
-        # a backend forced by the environment that cannot be established here is bad input
-        raise ConfigError(f"{ENV_OVERRIDE}={override}: {exc}") from None
+    device = resolve_device(config.trainer.device, "trainer.device")
     if config.model.preset is not None:
         from miles_core.engine.presets import get_preset
 

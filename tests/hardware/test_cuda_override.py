@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visi
 
 def test_the_override_on_a_cpu_only_torch_fails_activation(miles_pm_factory, monkeypatch):
     monkeypatch.setenv("MILES_HARDWARE", "cuda")
-    with pytest.raises(ActivationError, match=r"CUDA is not usable here \(MILES_HARDWARE=cuda\): torch .* build"):
+    with pytest.raises(ActivationError, match=r"CUDA is not usable here \(MILES_HARDWARE=cuda\): torch .* build") as err:
         activate(miles_pm_factory(builtins=True))
+    assert err.value.exit_code == 2  # forced by the environment: bad input, every command exits 2
 
 
 def test_doctor_fails_its_required_hardware_check(miles_pm_factory, monkeypatch):

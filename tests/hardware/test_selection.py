@@ -193,4 +193,5 @@ def test_failed_verification_names_plugin_distribution_version_and_cause(miles_p
         "x",
     )
     assert "guard missing on Writer" in str(err.value)
+    assert err.value.exit_code == 1  # selected by detection: the plugin failed, not the input
     assert backend.reverted == 1, "a backend that fails verification must not leave its fixes behind"
