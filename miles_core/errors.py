@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: exit status of a command stopped by Ctrl-C (128 + SIGINT, what shells report)
+INTERRUPTED = 130
+
 
 class MilesError(Exception):
     """Base class for errors the CLI reports without a stack trace."""

@@ -15,11 +15,11 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from miles_core.errors import INTERRUPTED
+
 if TYPE_CHECKING:
     import uvicorn
 
-#: exit status of a server that a second SIGINT stopped during its graceful shutdown (128 + SIGINT)
-INTERRUPTED = 130
 #: the signals that stop a server gracefully
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -36,7 +36,7 @@ class SignalStopped:
     way and does not raise them again.
 
     A SIGINT while that shutdown waits (Ctrl-C pressed again) ends the process at once with
-    :data:`INTERRUPTED`, without waiting for the requests in flight -- unless
+    :data:`~miles_core.errors.INTERRUPTED`, without waiting for the requests in flight -- unless
     ``interrupt_exits`` is off: a worker of several leaves that to its parent, which gets the same
     Ctrl-C (:func:`~miles_core.session.workers.serve_workers`). Another SIGTERM changes nothing.
     In any other thread (:func:`~miles_core.session.embed.run_app_in_thread`, an engine server's

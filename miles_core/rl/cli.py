@@ -14,6 +14,7 @@ import click
 
 from miles_core.cli import is_command_process
 from miles_core.cli._output import quiet_libraries
+from miles_core.errors import INTERRUPTED
 
 _FLAG_SETTINGS = {
     "steps": "run.steps",
@@ -156,10 +157,6 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
             click.echo("continue it with the same command and --resume", err=True)
     if summary["interrupted"]:
         sys.exit(INTERRUPTED)
-
-
-#: exit status of a run stopped by Ctrl-C (128 + SIGINT, what shells report)
-INTERRUPTED = 130
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:

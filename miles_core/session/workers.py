@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from miles_core.errors import ConfigError, MilesError
+from miles_core.errors import INTERRUPTED, ConfigError, MilesError
 from miles_core.session.config import ServiceLimits, SessionServerConfig
 
 logger = logging.getLogger("uvicorn.error")
@@ -197,10 +197,10 @@ def serve_workers(
     """Serve ``config`` on ``sock`` from ``workers`` processes until one exits or this process is
     asked to stop (SIGINT/SIGTERM, passed on to every worker as SIGTERM); the first nonzero exit
     code of a worker (0 after a requested stop). A SIGINT while the workers stop (Ctrl-C pressed
-    again) kills them at once: :data:`~miles_core.uvicorn_signals.INTERRUPTED` (130). A terminal's
+    again) kills them at once: :data:`~miles_core.errors.INTERRUPTED` (130). A terminal's
     Ctrl-C reaches the workers as well; they stop on the first and leave the second to this
     process. ``on_started``: called with the workers' pids."""
-    from miles_core.uvicorn_signals import INTERRUPTED, STOP_SIGNALS
+    from miles_core.uvicorn_signals import STOP_SIGNALS
 
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
