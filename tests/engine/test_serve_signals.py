@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.testing.servers import assert_port_free, wait_until_healthy
 
 register_cpu_ci(est_time=12, suite="stage-a-cpu")
 
@@ -31,15 +31,8 @@ def _serve(tiny_dir: Path, log_level: str = "info") -> tuple[subprocess.Popen[st
     line = process.stdout.readline()
     assert line.startswith("miles engine: serving tiny at http://"), (line, _finish(process)[1])
     url = line.split(" at ")[1].split(" ")[0]
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and process.poll() is None, _finish(process)[1]
-        time.sleep(0.02)
+    wait_until_healthy(url, process, describe=lambda: _finish(process)[1])
+    return process, url
 
 
 def _finish(process: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str]:
@@ -51,15 +44,6 @@ def _finish(process: subprocess.Popen[str], timeout: float = 30) -> tuple[int, s
         _, err = process.communicate()
         raise AssertionError(f"still running after {timeout} s:\n{err}") from None
     return process.returncode, err
-
-
-def _assert_port_free(url: str) -> None:
-    """Nothing listens on the server's port any more (SO_REUSEADDR, as the server sets it:
-    connections it closed may linger in TIME_WAIT, which only a listener still open should stop)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-        sock.listen()
 
 
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, id="SIGINT"), pytest.param(signal.SIGTERM, id="SIGTERM")])
@@ -74,7 +58,7 @@ def test_a_signal_stops_the_engine_with_status_0_and_frees_the_port(tiny_dir, si
     assert code == 0, err
     assert "Aborted!" not in err and "Traceback" not in err, err
     assert "Shutting down" in err
-    _assert_port_free(url)
+    assert_port_free(int(url.rsplit(":", 1)[1]))
 
 
 def test_a_generation_in_flight_is_answered_before_the_engine_exits(tiny_dir) -> None:
@@ -98,4 +82,4 @@ def test_a_generation_in_flight_is_answered_before_the_engine_exits(tiny_dir) ->
     assert reply[0].json()["usage"]["completion_tokens"] == 2000
     assert code == 0, err
     assert "Aborted!" not in err and "Traceback" not in err, err
-    _assert_port_free(url)
+    assert_port_free(int(url.rsplit(":", 1)[1]))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.testing.engine_stub import ScriptedChat, StubEngine
+from miles_core.testing.servers import assert_port_free, wait_until_healthy
 
 register_cpu_ci(est_time=35, suite="stage-a-cpu")
 
@@ -69,15 +69,7 @@ class Served:
             time.sleep(0.02)
 
     def wait_until_healthy(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=10).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and self.process.poll() is None, self.stderr()
-            time.sleep(0.02)
+        wait_until_healthy(self.url, self.process, timeout, describe=self.stderr)
 
     def exit_status(self, timeout: float = 30) -> int:
         try:
@@ -113,16 +105,6 @@ def slow_stub(chat_tokenizer) -> Iterator[StubEngine]:
     """An engine whose every chat takes a second (a turn in flight when a signal comes)."""
     with StubEngine(ScriptedChat(chat_tokenizer), delay_s=1.0) as stub:
         yield stub
-
-
-def assert_port_free(port: int) -> None:
-    """Nothing listens on ``port`` any more: a new listener can take it. (SO_REUSEADDR, as the
-    server sets it: closed connections may linger in TIME_WAIT on the port, which only a listener
-    that is still open should stop.)"""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen()
 
 
 def assert_clean(served: Served) -> None:
