@@ -79,11 +79,12 @@ def measure(lo: int, hi: int, args: argparse.Namespace) -> dict[str, Any]:
     cu_seqlens_cpu = torch.tensor([0, *itertools.accumulate(lengths)])
     cu_seqlens = cu_seqlens_cpu.cuda()
     torch.manual_seed(args.seed)
-    q = torch.randn(1, tokens, args.key_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, tokens, args.key_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, tokens, args.value_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    bf16: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    q = torch.randn(1, tokens, args.key_heads, args.head_dim, **bf16)
+    k = torch.randn(1, tokens, args.key_heads, args.head_dim, **bf16)
+    v = torch.randn(1, tokens, args.value_heads, args.head_dim, **bf16)
     g = -0.5 * torch.rand(1, tokens, args.value_heads, device="cuda")
-    beta = torch.rand(1, tokens, args.value_heads, device="cuda", dtype=torch.bfloat16)
+    beta = torch.rand(1, tokens, args.value_heads, **bf16)
     initial = 0.1 * torch.randn(args.segments, args.value_heads, args.head_dim, args.head_dim, device="cuda")
     common = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": args.head_dim**-0.5,
               "initial_state": None if args.fresh else initial,

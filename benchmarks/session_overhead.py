@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from miles_core.engine.http import HTTPPool
+    from miles_core.session.tokenizer import ChatTokenizer
 
 TARGETS = {"added_p50_ms": 2.0, "added_p99_ms": 10.0, "assembly_32k_ms": 50.0, "throughput_ratio": 0.9}
 DELAY_FIELD = "stub_delay_s"  # an extra body field: forwarded upstream by the session server
@@ -63,14 +64,21 @@ def _tokenizer_dir() -> Path:
     return tiny_tokenizer_dir(Path(os.environ.get("MILES_CACHE_DIR", tempfile.gettempdir())) / "miles-bench")
 
 
-def _fixed_reply() -> dict:
+def _tokenizer() -> tuple[ChatTokenizer, int]:
+    """The benchmark's tokenizer and the stop token that ends a reply."""
     from miles_core.session.tokenizer import ChatTokenizer
-    from miles_core.testing.engine_stub import chat_reply
 
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
     if tok.stop_id is None:
-        raise ValueError(f"the tokenizer in {_tokenizer_dir()} has no stop token to end the reply with")
-    ids = [*tok.encode(COMPLETION_TEXT), tok.stop_id]
+        raise ValueError(f"the tokenizer in {_tokenizer_dir()} has no stop token to end a reply with")
+    return tok, tok.stop_id
+
+
+def _fixed_reply() -> dict:
+    from miles_core.testing.engine_stub import chat_reply
+
+    tok, stop_id = _tokenizer()
+    ids = [*tok.encode(COMPLETION_TEXT), stop_id]
     return chat_reply("bench", {"role": "assistant", "content": COMPLETION_TEXT}, ids, "stop", prompt_tokens=0)
 
 
@@ -265,15 +273,11 @@ def _assembly(version_name: str, total_tokens: int = 32_768, repeats: int = 20) 
     """Median ms to assemble the samples of one ``total_tokens`` trajectory, and to encode them."""
     from miles_core.session.completion import Completion
     from miles_core.session.normalize import normalize_chat_request
-    from miles_core.session.tokenizer import ChatTokenizer
     from miles_core.session.trajectory import SampleOptions, TurnRecord
     from miles_core.session.versions import LinearVersion, TreeVersion
     from miles_core.strict_json import dumps
 
-    tok = ChatTokenizer.from_dir(_tokenizer_dir())
-    stop_id = tok.stop_id
-    if stop_id is None:
-        raise ValueError(f"the tokenizer in {_tokenizer_dir()} has no stop token to end a turn with")
+    tok, stop_id = _tokenizer()
     versions: dict[str, LinearVersion | TreeVersion] = {"v1": LinearVersion(), "v2": TreeVersion()}
     version = versions[version_name]
     store = version.create_store(max_turns=1024)
