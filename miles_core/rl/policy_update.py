@@ -109,12 +109,11 @@ def shard_documents(docs: Sequence[TrainDocument], world_size: int) -> list[list
 
 
 def _rows_for_rank(
-    minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None, *, merge: bool
-) -> tuple[list[PackedRow], MinibatchTotals, int, int]:
-    """This rank's rows, the minibatch's totals over all ranks, how many rows are real, and how
-    many documents were merged into an identical one's copy.
+    minibatch: Sequence[TrainDocument], settings: UpdateSettings, dp: DataParallel | None
+) -> tuple[list[PackedRow], MinibatchTotals, int]:
+    """This rank's rows, the minibatch's totals over all ranks (every copy a document stands for
+    counted), and how many rows are real.
 
-    With ``merge``, identical documents are laid out once (their rows carry the multiplicity).
     With data parallelism every rank runs as many rows as the busiest one (FSDP's forward and
     backward are collectives); the extra rows are copies of a real row with the loss mask zeroed.
     """
@@ -123,14 +122,10 @@ def _rows_for_rank(
         sequences=float(sum(d.multiplicity for d in minibatch if any(d.loss_mask))),
         budget=settings.budget,
     )
-    count = len(minibatch)
-    if merge:
-        minibatch = merge_duplicates(minibatch)
-    repeats = count - len(minibatch)
     if dp is None:
         rows = pack_documents(minibatch, settings.max_tokens_per_row, packing=settings.packing,
                               share_prompts=settings.share_prompts)
-        return rows, totals, len(rows), repeats
+        return rows, totals, len(rows)
     per_rank = [
         pack_documents(shard, settings.max_tokens_per_row, packing=settings.packing,
                        share_prompts=settings.share_prompts) if shard else []
@@ -140,7 +135,7 @@ def _rows_for_rank(
     real = len(rows)
     filler = next(r for rows_ in per_rank for r in rows_)
     filler = replace(filler, loss_mask=torch.zeros_like(filler.loss_mask))
-    return rows + [filler] * (max(len(r) for r in per_rank) - real), totals, real, repeats
+    return rows + [filler] * (max(len(r) for r in per_rank) - real), totals, real
 
 
 def split_minibatches(docs: Sequence[TrainDocument], n: int) -> list[list[TrainDocument]]:
@@ -194,13 +189,14 @@ def policy_update(
     mismatch_max, mismatch_sum, mismatch_kl, mismatch_n = 0.0, 0.0, 0.0, 0
     grad_norms: list[float] = []
     updates = 0
-    merged = 0  # samples of the step trained through an identical sample's copy
+    minibatches = split_minibatches(docs, algo.minibatches)  # the same ones every epoch
+    if settings.merge_duplicates and extra_loss is None:
+        # identical documents laid out once, their rows carrying the multiplicity
+        minibatches = [merge_duplicates(minibatch) for minibatch in minibatches]
+    merged = len(docs) - sum(len(minibatch) for minibatch in minibatches)  # trained through a copy
     for epoch in range(algo.epochs):
-        for mb_index, minibatch in enumerate(split_minibatches(docs, algo.minibatches)):
-            rows, totals, real_rows, repeats = _rows_for_rank(minibatch, settings, dp,
-                                                              merge=settings.merge_duplicates and extra_loss is None)
-            if epoch == 0:
-                merged += repeats
+        for mb_index, minibatch in enumerate(minibatches):
+            rows, totals, real_rows = _rows_for_rank(minibatch, settings, dp)
             if totals.tokens == 0:
                 continue
             world = dp.world_size if dp else 1
