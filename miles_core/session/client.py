@@ -8,6 +8,9 @@
 * :class:`HTTPSessions` speaks the session server's HTTP API (a server in another process, e.g.
   the one a Ray engine actor runs), over miles' own HTTP pool.
 
+(The Ray orchestrator adds a third for its rollout workers: the engine actor's in-process service
+called with Ray, :class:`~miles_core.rl.orchestrators.ray.RaySessions`.)
+
 Both raise :class:`SessionCallError` carrying the HTTP status the call got (or would have got).
 They belong to the event loop that first uses them.
 
@@ -43,6 +46,10 @@ class SessionCallError(MilesError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[type[SessionCallError], tuple[str, int]]:
+        # pickled with its status (a Ray actor's session calls return these), not just the message
+        return type(self), (str(self), self.status)
 
 
 class SessionClient(Protocol):

@@ -11,8 +11,9 @@ backend's ``worker_env(role)``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ActivationError, MilesError
 from miles_core.plugins import MilesPluginManager
@@ -25,9 +26,19 @@ from miles_core.rl.rollout.types import Trajectory
 from miles_core.rl.runtime import Parts, Runtime, engine_config, model_directory, resolve_task
 from miles_core.rl.tasks import Prompt
 
+if TYPE_CHECKING:
+    from miles_core.session.client import ChatTurn, LocalSessions, SessionCallError
+    from miles_core.session.trajectory import Sample
+
+
+#: the batch calls of :class:`~miles_core.session.client.SessionClient` an engine actor serves
+SESSION_BATCH_CALLS = frozenset({"create_many", "chat_many", "samples_many", "delete_many"})
+
 
 class EngineWorker:
-    """Hosts the embedded engine (and, for the agentic path, a session server in front of it)."""
+    """Hosts the embedded engine and, for the agentic path, the session service in front of it:
+    called with Ray by the rollout workers (:class:`RaySessions`), and served over HTTP for
+    rollout functions that speak HTTP (``serve_sessions``)."""
 
     def __init__(self, config: TrainConfig, model_dir: str, expected: dict[str, Any], num_prompts: int) -> None:
         import torch
@@ -42,6 +53,7 @@ class EngineWorker:
         self.config = config
         self.model_dir = model_dir
         self._stack: Any = None
+        self._sessions: tuple[LocalSessions, BackgroundLoop] | None = None  # on the first session call
 
     def serve_sessions(self) -> str:
         """Start a session server calling this actor's engine in-process; its URL."""
@@ -63,6 +75,27 @@ class EngineWorker:
 
         return url.replace("0.0.0.0", ray.util.get_node_ip_address())
 
+    def sessions_call(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """One batch call (:data:`SESSION_BATCH_CALLS`) on this actor's in-process session service.
+        A :class:`~miles_core.session.client.SessionCallError` it raises comes back as the value
+        (pickled with its status); :class:`RaySessions` raises it again."""
+        from miles_core.session.client import SessionCallError
+
+        if method not in SESSION_BATCH_CALLS:
+            raise ValueError(f"not a session batch call: {method!r} (one of {', '.join(sorted(SESSION_BATCH_CALLS))})")
+        if self._sessions is None:
+            from miles_core.plugins import get_plugin_manager
+            from miles_core.session.client import LocalSessions
+
+            local = LocalSessions.for_engine(self.engine, self.model_dir, version=self.config.rollout.session_version,
+                                             pm=get_plugin_manager())
+            self._sessions = (local, BackgroundLoop("miles-engine-sessions"))
+        local, aio = self._sessions
+        try:
+            return aio.run(getattr(local, method)(*args, **kwargs))
+        except SessionCallError as exc:
+            return exc
+
     def fingerprint(self) -> dict[str, Any]:
         from miles_core.plugins import get_plugin_manager
 
@@ -78,6 +111,12 @@ class EngineWorker:
         return self.engine.weight_version
 
     def close(self) -> None:
+        if self._sessions is not None:
+            local, aio = self._sessions
+            try:
+                aio.run(local.aclose())
+            finally:
+                aio.close()
         if self._stack is not None:
             self._stack.close()
         self.engine.close()
@@ -148,7 +187,7 @@ class RolloutWorker:
         tokenizer = load_tokenizer(model_dir)
         self.aio = BackgroundLoop()
         context = RolloutContext(config, resolve_task(config, pm), _RayEngine(engine), tokenizer, Path(model_dir),
-                                 self.aio, pm, session_url)
+                                 self.aio, pm, session_url, RaySessions(engine) if session_url else None)
         self.rollout = function.start(context)
 
     def run(self, prompts: Sequence[Prompt], step: int, first_index: int) -> list[Trajectory]:
@@ -160,6 +199,63 @@ class RolloutWorker:
     def close(self) -> None:
         self.rollout.close()
         self.aio.close()
+
+
+class RaySessions:
+    """The engine actor's session service as a :class:`~miles_core.session.client.SessionClient`,
+    one Ray call per batch call: a phase's turns reach the engine as one batch, as in-process (the
+    HTTP server gets one request per session and the engine batches them as they arrive). The
+    actor runs one call at a time, so several workers' batches never merge either: the engine's
+    batches, and with them the rollouts' numerics, do not depend on timing."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from miles_core.session.client import SessionCallError
+
+        ref = self.actor.sessions_call.remote(method, args, kwargs)
+        result = await asyncio.wrap_future(ref.future())
+        if isinstance(result, SessionCallError):
+            raise result
+        return result
+
+    async def create(self) -> str:
+        return (await self.create_many(1))[0]
+
+    async def chat(self, session_id: str, body: dict[str, Any]) -> ChatTurn:
+        from miles_core.session.client import SessionCallError
+
+        turn = (await self.chat_many([(session_id, body)]))[0]
+        if isinstance(turn, SessionCallError):
+            raise turn
+        return turn
+
+    async def samples(self, session_id: str) -> list[Sample]:
+        return (await self.samples_many([session_id]))[0]
+
+    async def delete(self, session_id: str) -> None:
+        await self.delete_many([session_id])
+
+    async def create_many(self, n: int) -> list[str]:
+        created: list[str] = await self._call("create_many", n)
+        return created
+
+    async def chat_many(self, turns: Sequence[tuple[str, dict[str, Any]]], *,
+                        seeds: Sequence[int | None] | None = None) -> list[ChatTurn | SessionCallError]:
+        replies: list[ChatTurn | SessionCallError] = await self._call(
+            "chat_many", list(turns), seeds=None if seeds is None else list(seeds))
+        return replies
+
+    async def samples_many(self, session_ids: Sequence[str]) -> list[list[Sample]]:
+        samples: list[list[Sample]] = await self._call("samples_many", list(session_ids))
+        return samples
+
+    async def delete_many(self, session_ids: Sequence[str]) -> None:
+        await self._call("delete_many", list(session_ids))
+
+    async def aclose(self) -> None:
+        """Nothing to close here: the engine actor owns the service."""
 
 
 class _EngineHandle:

@@ -15,9 +15,11 @@ many, one group after another); unset, a step's episodes all go at once.
 In ``miles train`` the session service runs in this process in front of the embedded engine
 (:class:`~miles_core.session.client.LocalSessions`): the code that serves external agents over
 HTTP, minus the transport -- no JSON between engine, session and trainer, no server threads, and
-a phase's turns reach the engine as one batch. A session server elsewhere (a Ray engine actor's)
-is reached over HTTP with the same client interface
-(:class:`~miles_core.session.client.HTTPSessions`), a phase's calls as concurrent requests.
+a phase's turns reach the engine as one batch. Under Ray the same service runs in the engine
+actor and a rollout worker calls it with Ray, a phase's turns again one batch
+(:class:`~miles_core.rl.orchestrators.ray.RaySessions`). A session server given only by URL is
+reached over HTTP with the same client interface (:class:`~miles_core.session.client.HTTPSessions`),
+a phase's calls as concurrent requests.
 """
 
 from __future__ import annotations
@@ -103,13 +105,16 @@ class AgenticRollout:
 
     @classmethod
     def start(cls, context: RolloutContext) -> AgenticRollout:
-        """Episodes against ``context.session_url`` when the orchestrator runs a session server;
-        otherwise sessions in this process in front of the embedded engine (no servers)."""
+        """Episodes through the orchestrator's session client (``context.sessions``) or, failing
+        that, its session server (``context.session_url``); otherwise sessions in this process in
+        front of the embedded engine (no servers)."""
         from miles_core.session.client import LocalSessions
 
         config, aio, pm = context.config, context.aio, context.pm
         sessions: SessionClient | str
-        if context.session_url:
+        if context.sessions is not None:
+            sessions = context.sessions
+        elif context.session_url:
             sessions = context.session_url
         else:
             from miles_core.engine.engine import Engine

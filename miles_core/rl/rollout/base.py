@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from miles_core.rl.config import TrainConfig
     from miles_core.rl.rollout.types import Trajectory
     from miles_core.rl.tasks import Prompt, TrainableTask
+    from miles_core.session.client import SessionClient
 
 
 class Tokenizer(Protocol):
@@ -106,6 +107,10 @@ class RolloutContext:
     #: a session server in front of the engine that the orchestrator already runs (a Ray engine
     #: actor's), for functions with ``session_server = True``; None: start one if needed
     session_url: str | None = None
+    #: the same sessions through a client the orchestrator provides (a Ray engine actor's, over Ray
+    #: calls): each batch call (``chat_many``...) reaches the engine as one batch, as in-process,
+    #: where the HTTP server gets one request per session. The built-in agentic path prefers it.
+    sessions: SessionClient | None = None
 
 
 @runtime_checkable
