@@ -77,7 +77,7 @@ def train(
     contributions named in the config (`miles plugins list` shows what is installed).
 
     `miles train --preset tiny` runs the whole loop on a 2-core CPU: the tiny Qwen3.5 model learns
-    to answer "n+1=", rollouts go through the session server, answers are checked in the local
+    to answer "n+1=", rollouts go through the session service, answers are checked in the local
     sandbox. Measured on an idle 2-core CPU (seeds 0-4): greedy accuracy 0.11 -> 1.00 in 16-26
     steps, 5-6 s including start-up.
 
