@@ -50,10 +50,6 @@ class AttributePatch:
             setattr(self.owner, self.name, self._original)
         self._original = _NOT_APPLIED
 
-    def in_effect(self) -> bool:
-        """Whether ``owner`` currently holds the replacement (someone may have replaced it)."""
-        return vars(self.owner).get(self.name) is self.replacement
-
     def describe(self) -> str:
         return f"{qualname(self.owner)}.{self.name}"
 

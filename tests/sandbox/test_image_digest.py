@@ -59,3 +59,13 @@ def test_bad_recipes_are_rejected_with_the_field() -> None:
         Copy("../escape", b"")
     with pytest.raises(ConfigError, match="Resources"):
         Resources(cpus=0)
+
+
+def test_copy_from_path_reads_the_file_and_its_mode(tmp_path) -> None:
+    src = tmp_path / "run.sh"
+    src.write_bytes(SECRET_FILE)
+    src.chmod(0o750)
+    copied = Copy.from_path(src, "bin/run.sh")
+    assert (copied.dest, copied.content, copied.mode) == ("bin/run.sh", SECRET_FILE, 0o750)
+    assert copied.sha256 == Copy("bin/run.sh", SECRET_FILE, 0o750).sha256
+    assert Copy.from_path(src, "bin/run.sh", mode=0o644).mode == 0o644

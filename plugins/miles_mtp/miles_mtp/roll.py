@@ -86,9 +86,6 @@ class SequenceLayout:
             return 0, 0
         return (chunk, 0) if chunk < self.cp_size else (2 * self.cp_size - 1 - chunk, 1)
 
-    def with_rank(self, rank: int) -> SequenceLayout:
-        return SequenceLayout(self.cu_seqlens, self.cp_size, rank)
-
     def documents(self, local_len: int) -> list[tuple[int, int]]:
         """Global [start, stop) of every document, given this rank's sequence length."""
         global_len = local_len * self.cp_size
