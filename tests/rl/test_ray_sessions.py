@@ -68,7 +68,12 @@ def test_a_phase_of_turns_comes_back_as_in_process(worker):
             await sessions.samples(ids[0])
         assert raised.value.status == 404
         assert len(await sessions.samples(ids[1])) == 1
-        await sessions.delete_many(ids)  # one already gone: fine, as over HTTP
+        with pytest.raises(SessionCallError) as raised:  # one session's turn: its failure raised
+            await sessions.chat(ids[0], body)
+        assert raised.value.status == 404
+        one = await sessions.create()
+        assert type(await sessions.chat(one, body)) is ChatTurn
+        await sessions.delete_many([*ids, one])  # one already gone: fine, as over HTTP
         await sessions.aclose()
 
     asyncio.run(run())
