@@ -189,14 +189,14 @@ def policy_update(
     mismatch_max, mismatch_sum, mismatch_kl, mismatch_n = 0.0, 0.0, 0.0, 0
     grad_norms: list[float] = []
     updates = 0
-    minibatches = split_minibatches(docs, algo.minibatches)  # the same ones every epoch
+    minibatches = split_minibatches(docs, algo.minibatches)
     if settings.merge_duplicates and extra_loss is None:
         # identical documents laid out once, their rows carrying the multiplicity
         minibatches = [merge_duplicates(minibatch) for minibatch in minibatches]
     merged = len(docs) - sum(len(minibatch) for minibatch in minibatches)  # trained through a copy
+    layouts = [_rows_for_rank(minibatch, settings, dp) for minibatch in minibatches]  # the same every epoch
     for epoch in range(algo.epochs):
-        for mb_index, minibatch in enumerate(minibatches):
-            rows, totals, real_rows = _rows_for_rank(minibatch, settings, dp)
+        for mb_index, (rows, totals, real_rows) in enumerate(layouts):
             if totals.tokens == 0:
                 continue
             world = dp.world_size if dp else 1

@@ -156,6 +156,31 @@ def test_packed_update_equals_unpacked_update(method):
     assert torch.allclose(g_p, g_u, atol=1e-6)
 
 
+def test_two_epochs_are_two_passes_over_the_same_minibatches():
+    """``epochs = 2`` in one update moves the weights exactly as two one-epoch updates on the same
+    documents (the minibatches are laid out once and trained twice); control: one epoch does not."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(2)
+    docs = [TrainDocument(tuple(torch.randint(0, 32, (n,), generator=gen).tolist()), 2, (1, 1), (-3.3, -3.4), adv)
+            for n, adv in ((5, 1.0), (6, -0.5), (4, 0.25), (7, 0.5))]
+
+    def trained(epochs: int, calls: int) -> torch.Tensor:
+        model = _tiny_llama()
+
+        def forward(row):
+            return model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits[0]
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        settings = UpdateSettings(AlgorithmSection(lr=1e-2, epochs=epochs, minibatches=2), 1.0, 64, True)
+        for _ in range(calls):
+            policy_update(docs, forward, opt, model.parameters(), settings)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    twice = trained(epochs=2, calls=1)
+    assert torch.equal(twice, trained(epochs=1, calls=2))
+    assert not torch.equal(twice, trained(epochs=1, calls=1))
+
+
 def test_packing_matters_for_a_model_that_ignores_position_restarts():
     """Negative control for the differential above: without restarting positions the packed row
     attends across documents and the log-probs change."""
