@@ -31,7 +31,6 @@ from miles_core.session.config import SessionServerConfig
 from miles_core.uvicorn_signals import SignalStopped
 
 if TYPE_CHECKING:
-
     from miles_core.session.workers import Router
 
 logger = logging.getLogger("uvicorn.error")
