@@ -21,6 +21,7 @@ import pytest
 from miles_core.ci.register import register_cpu_ci
 from miles_core.session.workers import Router, Shard, owner_of
 from miles_core.testing.engine_stub import ScriptedChat, StubEngine
+from miles_core.testing.servers import wait_until_healthy
 
 register_cpu_ci(est_time=25, suite="stage-a-cpu")
 
@@ -59,15 +60,8 @@ def _serve(tokenizer_dir: Path, upstream: str, *extra: str) -> tuple[subprocess.
     line = process.stdout.readline() if process.stdout else ""
     assert "listening on http://127.0.0.1:" in line, (line, process.stderr.read() if process.poll() else "")
     url = line.split("listening on ")[1].split(",")[0]
-    deadline = time.monotonic() + 60
-    while True:  # every worker answers once it has built its app; until then connections queue
-        try:
-            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read() if process.stderr else ""
-        time.sleep(0.1)
+    # every worker answers once it has built its app; until then connections queue
+    wait_until_healthy(url, process, timeout=60, describe=lambda: process.stderr.read() if process.stderr else "")
     return process, url
 
 
