@@ -62,15 +62,24 @@ class Run:
         return {"run": self.cmd}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Copy:
-    """A build step: place ``content`` at ``dest`` (relative paths: under the image's workdir)."""
+    """A build step: place ``content`` at ``dest`` (relative paths: under the image's workdir).
+    A ``str`` content is stored UTF-8 encoded, as
+    :meth:`miles_core.sandbox.lifecycle.Sandbox.write_file` writes one."""
 
     dest: str
     content: bytes = field(repr=False)
     mode: int = 0o644
 
-    def __post_init__(self) -> None:
+    def __init__(self, dest: str, content: bytes | str, mode: int = 0o644) -> None:
+        if isinstance(content, str):
+            content = content.encode()
+        elif not isinstance(content, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"Copy.content must be bytes or str, got {type(content).__name__}")
+        object.__setattr__(self, "dest", dest)
+        object.__setattr__(self, "content", bytes(content))
+        object.__setattr__(self, "mode", mode)
         if not self.dest or self.dest.endswith("/"):
             raise ConfigError(f"Copy.dest must name a file, got {self.dest!r}")
         if ".." in self.dest.split("/"):

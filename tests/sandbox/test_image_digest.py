@@ -69,3 +69,13 @@ def test_copy_from_path_reads_the_file_and_its_mode(tmp_path) -> None:
     assert (copied.dest, copied.content, copied.mode) == ("bin/run.sh", SECRET_FILE, 0o750)
     assert copied.sha256 == Copy("bin/run.sh", SECRET_FILE, 0o750).sha256
     assert Copy.from_path(src, "bin/run.sh", mode=0o644).mode == 0o644
+
+
+def test_copy_takes_text_as_its_utf8_bytes() -> None:
+    text = "print('häh')\n"
+    copied = Copy("tests.py", text)
+    assert copied.content == text.encode() and isinstance(copied.content, bytes)
+    assert copied.sha256 == Copy("tests.py", text.encode()).sha256
+    assert replace(copied, mode=0o755).content == text.encode()
+    with pytest.raises(ConfigError, match=r"Copy\.content must be bytes or str, got int"):
+        Copy("tests.py", 3)  # type: ignore[arg-type]
