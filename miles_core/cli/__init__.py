@@ -18,7 +18,7 @@ from miles_core.errors import MilesError
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("miles_core.cli.plugins_cmd:plugins", "List and inspect installed plugins."),
     "doctor": ("miles_core.cli.doctor_cmd:doctor", "Activate every concern and report what was verified."),
-    "sandbox": ("miles_core.sandbox.cli:sandbox", "Sandbox providers: list them, run a command, sweep orphans."),
+    "sandbox": ("miles_core.sandbox.cli:sandbox", "Sandbox providers: list, run a command, sweep orphans, probe isolation."),
     "ci": ("miles_core.ci.cli:ci", "CI: test registrations, suites, sharding, runner, workflows."),
     "session": ("miles_core.session.cli:session", "Serve the token-in-token-out session server."),
     "engine": ("miles_core.engine.cli:engine", "Serve the embedded inference engine; list and build model presets."),

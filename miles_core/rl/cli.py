@@ -79,7 +79,7 @@ def train(
     `miles train --preset tiny` runs the whole loop on a 2-core CPU: the tiny Qwen3.5 model learns
     to answer "n+1=", rollouts go through the session service, answers are checked in the local
     sandbox. Measured on an idle 2-core CPU (seeds 0-4): greedy accuracy 0.11 -> 1.00 in 16-26
-    steps, 5-6 s including start-up.
+    steps, 5-7.5 s including start-up.
 
     Each run without --out gets a new directory under run.runs_dir (runs/tiny/YYYYmmdd-HHMMSS
     for the tiny preset), linked as runs/tiny/latest; --resume continues latest. Ctrl-C stops

@@ -155,7 +155,8 @@ class TrainerSection(_Section):
     share_prompts: bool = Field(
         True,
         description="with packing, train a group's samples after one copy of their common prompt "
-        "(attention-only models on the hf backend; a model with recurrent layers packs whole documents)",
+        "(hf backend; a model with recurrent layers shares prompts only where they supports_branches(), "
+        "else packs whole documents)",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     world_size: int = Field(

@@ -35,7 +35,7 @@ def _provider_options(func: Any) -> Any:
 
 @click.group()
 def sandbox() -> None:
-    """Sandbox providers: list them, run a command in a sandbox, destroy orphans."""
+    """Sandbox providers: list them, run a command in a sandbox, destroy orphans, probe their isolation."""
 
 
 @sandbox.command("providers")

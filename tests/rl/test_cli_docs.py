@@ -15,7 +15,7 @@ register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = re.compile(r"0\.11 -> 1\.00 in (\d+-\d+)\s+steps")
-WALL = re.compile(r"(\d+-\d+) s\s+(?:wall\s+)?including\s+start-up")
+WALL = re.compile(r"(\d+(?:\.\d+)?-\d+(?:\.\d+)?) s\s+(?:wall\s+)?including\s+start-up")
 
 
 def _claims(text: str) -> tuple[list[str], list[str]]:
