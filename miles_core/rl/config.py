@@ -155,8 +155,8 @@ class TrainerSection(_Section):
     share_prompts: bool = Field(
         True,
         description="with packing, train a group's samples after one copy of their common prompt "
-        "(hf backend; a model with recurrent layers shares prompts only where they supports_branches(), "
-        "else packs whole documents)",
+        "(hf backend; with recurrent layers only where they report supports_branches(), "
+        "else whole documents are packed)",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     world_size: int = Field(
