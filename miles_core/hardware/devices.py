@@ -90,11 +90,18 @@ def completion_event(device: torch.device) -> Any:
     return None if runtime is None else runtime.Event()
 
 
-def distributed_backend() -> str:
-    """The ``torch.distributed`` backend of the active hardware backend (gloo, nccl, ...)."""
+def distributed_backend(device: torch.device) -> str:
+    """The ``torch.distributed`` backend for collectives over tensors on ``device``: the active
+    hardware backend's (gloo, nccl, ...) for its own device type; for host memory under an
+    accelerator's backend (ranks on the host of a GPU machine), which that backend cannot
+    reduce, the CPU backend's."""
     from miles_core.hardware.activation import activate
+    from miles_core.hardware.cpu import CpuBackend
 
-    return activate().distributed_backend
+    active = activate()
+    if device.type == "cpu" and active.device.type != "cpu":
+        return CpuBackend.distributed_backend
+    return active.distributed_backend
 
 
 def device_supports(device: torch.device, capability: str) -> bool:

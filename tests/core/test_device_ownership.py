@@ -57,6 +57,35 @@ def test_fsdp_ranks_join_over_the_backends_collectives(miles_pm, monkeypatch) ->
     assert seen["backend"] == "mpi" and seen["world_size"] == 1
 
 
+def test_host_ranks_under_an_accelerator_backend_join_over_gloo(miles_pm, monkeypatch) -> None:
+    """``trainer.device = "cpu"`` on a GPU machine: NCCL cannot reduce host tensors, so the ranks'
+    process group is gloo; tensors on the accelerator keep the backend's collectives."""
+    import torch
+    import torch.distributed as dist
+
+    from miles_core.hardware import devices, reset
+    from miles_core.hardware.cpu import CpuBackend
+    from miles_core.rl.trainers.fsdp import init_rank
+    from miles_core.testing import plugin_module
+
+    class Accelerator(CpuBackend):  # detected and verified like the cpu backend, computing on "cuda"
+        name = "fake-gpu"
+        device_type = "cuda"
+        distributed_backend = "nccl"
+
+    miles_pm.register(plugin_module("hw", miles_hardware_backends=lambda: [Accelerator()]), name="hw")
+    monkeypatch.setenv("MILES_HARDWARE", "fake-gpu")
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    reset()
+    try:
+        init_rank(0, 1, store=None, device=torch.device("cpu"))
+        assert devices.distributed_backend(torch.device("cuda", 1)) == "nccl"
+    finally:
+        reset()
+    assert seen["backend"] == "gloo"
+
+
 def test_device_answers_on_the_host(miles_pm_factory) -> None:
     import torch
 

@@ -36,12 +36,12 @@ HOST = "127.0.0.1"
 
 
 def init_rank(rank: int, world_size: int, store: Any, device: torch.device) -> None:
-    """Join the process group over the active hardware backend's collectives (gloo, nccl, ...)."""
+    """Join the process group over the collectives for ``device`` (gloo on the host, nccl, ...)."""
     import torch.distributed as dist
 
     bind_device(device)
     dist.init_process_group(
-        distributed_backend(), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        distributed_backend(device), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
 
 
