@@ -8,6 +8,8 @@ context) must stay far above them.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from miles_qwen35 import fla_varlen, torch_varlen
@@ -81,14 +83,14 @@ def test_packed_model_on_gpu_matches_per_document(miles_pm, monkeypatch) -> None
     monkeypatch.setattr(fla_varlen, "chunk_gated_delta_rule",
                         lambda *a, _f=fla_varlen.chunk_gated_delta_rule, **k: calls.append(1) or _f(*a, **k))
     model = tiny_model("qwen3_5").cuda().eval()
+    unprepared = copy.deepcopy(model)  # the negative control: the same weights through transformers' forward
     report = prepare_model(model)
     assert report["gdn-packing"].kernels["fla.ops.gated_delta_rule"].startswith("available")
     assert report["gdn-packing"].probe.passed, report["gdn-packing"].probe
     ids = torch.randint(2, 128, (1, sum(LENGTHS)), device="cuda")
     with torch.no_grad():
         packed = model(ids, position_ids=packed_position_ids(LENGTHS, device="cuda")).logits
-        leaked = model.lm_head(model.model(ids, position_ids=packed_position_ids(LENGTHS, device="cuda"),
-                                           use_cache=False).last_hidden_state)
+        leaked = unprepared(ids, position_ids=packed_position_ids(LENGTHS, device="cuda")).logits
         alone = torch.cat([model(doc).logits for doc in ids.split(LENGTHS, dim=1)], dim=1)
     assert calls, "the packed forward did not use fla"
     assert rel_diff(packed, alone) <= RTOL
