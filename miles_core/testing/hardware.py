@@ -35,6 +35,17 @@ from miles_core.hardware.base import (
 )
 
 
+def _gpu_build() -> bool:
+    import torch
+
+    return bool(torch.version.cuda or torch.version.hip)
+
+
+#: marks a test of what a CPU-only torch build (the one CI installs) detects and selects; a CUDA or
+#: HIP build of torch reports its own build, and on a GPU machine another backend is selected
+cpu_only_torch = pytest.mark.skipif(_gpu_build(), reason="checks a CPU-only torch build; this torch is a GPU build")
+
+
 @pytest.fixture(autouse=True)
 def no_active_hardware(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Unset ``MILES_HARDWARE`` and revert any active backend before and after the test."""

@@ -11,7 +11,7 @@ from miles_core.hardware import activate
 from miles_core.hardware.base import parse_visible_devices
 from miles_core.hardware.cpu import CpuBackend
 from miles_core.hardware.cuda import CudaBackend
-from miles_core.testing.hardware import assert_backend_conforms
+from miles_core.testing.hardware import assert_backend_conforms, cpu_only_torch
 
 register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
@@ -39,6 +39,7 @@ def test_worker_env_snapshots() -> None:
         }
 
 
+@cpu_only_torch
 def test_this_cpu_machine_selects_cpu_with_its_reason(miles_pm_factory) -> None:
     hardware = activate(miles_pm_factory(builtins=True))
     assert hardware.name == "cpu"

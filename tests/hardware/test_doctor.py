@@ -10,6 +10,7 @@ import sys
 import torch
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.testing.hardware import cpu_only_torch
 
 register_cpu_ci(est_time=29, suite="stage-a-cpu")
 
@@ -27,6 +28,7 @@ def doctor_json(**env: str) -> tuple[int, dict[str, dict]]:
     return proc.returncode, {r["item"]: r for r in report["results"] if r["concern"] == "hardware"}
 
 
+@cpu_only_torch
 def test_doctor_reports_cpu_with_its_reason_fixes_and_worker_env() -> None:
     _, hardware = doctor_json()
     backend = hardware["backend"]

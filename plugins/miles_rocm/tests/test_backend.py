@@ -10,7 +10,7 @@ from miles_rocm.backend import ROLLOUT_DEFAULTS, WORKER_DEFAULTS, RocmBackend
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ConfigError
 from miles_core.hardware import activate
-from miles_core.testing.hardware import assert_backend_conforms
+from miles_core.testing.hardware import assert_backend_conforms, cpu_only_torch
 
 register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
@@ -52,6 +52,7 @@ def test_a_hip_build_without_gpus_is_declined(hip_machine, monkeypatch) -> None:
     assert not RocmBackend().detect().claimed
 
 
+@cpu_only_torch
 def test_this_cpu_build_is_declined() -> None:
     detection = RocmBackend().detect()
     assert not detection.claimed
