@@ -31,8 +31,10 @@ def test_no_torch_cuda_outside_the_hardware_backends() -> None:
     assert offenders == []
 
 
-def test_fsdp_ranks_join_over_the_backends_collectives(miles_pm, monkeypatch) -> None:
-    """A backend whose collectives are not gloo/nccl: the trainer's process group uses its name."""
+def _rank_joins_over(miles_pm, monkeypatch, name: str, device_type: str, collectives: str,
+                     devices: tuple[str, ...]) -> list[str]:
+    """With backend ``name`` (the cpu backend computing on ``device_type`` over ``collectives``)
+    active: the process-group backend a rank on each of ``devices`` joins over."""
     import torch
     import torch.distributed as dist
 
@@ -41,49 +43,33 @@ def test_fsdp_ranks_join_over_the_backends_collectives(miles_pm, monkeypatch) ->
     from miles_core.rl.trainers.fsdp import init_rank
     from miles_core.testing import plugin_module
 
-    class Collectives(CpuBackend):
-        name = "cpu-mpi"
-        distributed_backend = "mpi"
-
-    miles_pm.register(plugin_module("hw", miles_hardware_backends=lambda: [Collectives()]), name="hw")
-    monkeypatch.setenv("MILES_HARDWARE", "cpu-mpi")
-    seen = {}
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    # detected and verified like the cpu backend
+    backend = type("Backend", (CpuBackend,), {"name": name, "device_type": device_type,
+                                              "distributed_backend": collectives})
+    miles_pm.register(plugin_module("hw", miles_hardware_backends=lambda: [backend()]), name="hw")
+    monkeypatch.setenv("MILES_HARDWARE", name)
+    joined: list[str] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(backend))
+    monkeypatch.setattr("miles_core.rl.trainers.fsdp.bind_device", lambda device: None)  # no such device here
     reset()
     try:
-        init_rank(0, 1, store=None, device=torch.device("cpu"))
+        for device in devices:
+            init_rank(0, 1, store=None, device=torch.device(device))
     finally:
         reset()
-    assert seen["backend"] == "mpi" and seen["world_size"] == 1
+    return joined
+
+
+def test_fsdp_ranks_join_over_the_backends_collectives(miles_pm, monkeypatch) -> None:
+    """A backend whose collectives are not gloo/nccl: the trainer's process group uses its name."""
+    assert _rank_joins_over(miles_pm, monkeypatch, "cpu-mpi", "cpu", "mpi", ("cpu",)) == ["mpi"]
 
 
 def test_host_ranks_under_an_accelerator_backend_join_over_gloo(miles_pm, monkeypatch) -> None:
     """``trainer.device = "cpu"`` on a GPU machine: NCCL cannot reduce host tensors, so the ranks'
-    process group is gloo; tensors on the accelerator keep the backend's collectives."""
-    import torch
-    import torch.distributed as dist
-
-    from miles_core.hardware import devices, reset
-    from miles_core.hardware.cpu import CpuBackend
-    from miles_core.rl.trainers.fsdp import init_rank
-    from miles_core.testing import plugin_module
-
-    class Accelerator(CpuBackend):  # detected and verified like the cpu backend, computing on "cuda"
-        name = "fake-gpu"
-        device_type = "cuda"
-        distributed_backend = "nccl"
-
-    miles_pm.register(plugin_module("hw", miles_hardware_backends=lambda: [Accelerator()]), name="hw")
-    monkeypatch.setenv("MILES_HARDWARE", "fake-gpu")
-    seen = {}
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
-    reset()
-    try:
-        init_rank(0, 1, store=None, device=torch.device("cpu"))
-        assert devices.distributed_backend(torch.device("cuda", 1)) == "nccl"
-    finally:
-        reset()
-    assert seen["backend"] == "gloo"
+    process group is gloo; ranks on the accelerator keep the backend's collectives."""
+    joined = _rank_joins_over(miles_pm, monkeypatch, "fake-gpu", "cuda", "nccl", ("cpu", "cuda:1"))
+    assert joined == ["gloo", "nccl"]
 
 
 def test_device_answers_on_the_host(miles_pm_factory) -> None:
