@@ -29,6 +29,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -191,7 +192,9 @@ def main() -> None:
     eos = set(loaded.eos_token_ids)
     vocab = min(256, model.config.get_text_config().vocab_size)
 
+    started = time.perf_counter()
     for n in args.requests:
+        _progress(started, f"{n} requests: building the engine")
         config = EngineConfig(max_batch_size=n, runner=args.runner, cuda_graphs=not args.no_cuda_graphs,
                               compile_decode=False if args.no_compile else None, cpu_threads=args.cpu_threads,
                               overlap_steps=False if args.no_overlap else None,
@@ -208,10 +211,12 @@ def main() -> None:
                     for i, (p, m) in enumerate(zip(prompts, limits))
                 ]
                 kw = dict(equal=equal, eos=eos, pad=pad)
+                _progress(started, f"{n} x {lengths}: warm-up (on a fresh GPU machine it compiles for minutes)")
                 warm_up = run_engine(engine, requests)  # allocations, kernel selection and compilation, graph capture
                 run_batched_generate(model, prompts, limits, **kw)
                 engine_runs, batched_runs = [], []
                 loads = []
+                _progress(started, f"{n} x {lengths}: measuring, engine and generate alternated {args.repeats} time(s)")
                 for _ in range(args.repeats):
                     loads.append(_load_avg())
                     engine_runs.append(run_engine(engine, requests))
@@ -225,6 +230,11 @@ def main() -> None:
                 print(json.dumps(line), flush=True)
         finally:
             engine.close()
+
+
+def _progress(started: float, message: str) -> None:
+    """One line on stderr per phase (stdout carries only the JSON lines)."""
+    print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def _median(runs: list[Run], attr: str) -> float:
