@@ -126,7 +126,7 @@ def check_model(config: TrainConfig) -> None:
 
 
 def check_device(config: TrainConfig, pm: MilesPluginManager) -> None:
-    """``trainer.device`` exists here and suits the model preset.
+    """``trainer.device`` exists here and suits the model preset and the trainer backend.
 
     Skipped for a run on a remote cluster (``orchestrator.address``): its workers check their own
     devices. Otherwise the trainer and the engine run on this machine, in-process or in a local
@@ -148,10 +148,21 @@ def check_device(config: TrainConfig, pm: MilesPluginManager) -> None:
                 "visible, or use a CPU preset (tiny-rl)"
             )
     world = config.trainer.world_size
-    if device.type != "cpu" and world > 1:
-        from miles_core.hardware.activation import activate
+    megatron = config.trainer.backend == "megatron"
+    if not megatron and (device.type == "cpu" or world == 1):
+        return
+    from miles_core.hardware.activation import activate
 
-        backend = activate().backend
+    backend = activate().backend
+    if megatron and device.type != backend.device_type:
+        # megatron-core allocates its buffers on the current CUDA device, which only the cpu
+        # backend's megatron fixes point at the host
+        raise ConfigError(
+            f"trainer.device: trainer.backend = 'megatron' trains on the selected hardware backend's device "
+            f"({backend.name}: {backend.device_type}), not {config.trainer.device!r}; leave trainer.device = 'auto', "
+            "or train on the CPU with trainer.backend = 'hf'"
+        )
+    if device.type != "cpu" and world > 1:
         visible = backend.device_count() if backend.device_type == device.type else 0
         if visible < world:
             raise ConfigError(f"trainer.world_size = {world} needs one {device.type} device per rank; {visible} visible")

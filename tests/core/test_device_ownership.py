@@ -3,9 +3,11 @@ miles_core/hardware/, and the decisions that depend on the device ask the active
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,32 +33,39 @@ def test_no_torch_cuda_outside_the_hardware_backends() -> None:
     assert offenders == []
 
 
+@contextlib.contextmanager
+def _active_backend(miles_pm, monkeypatch, name: str, device_type: str, collectives: str) -> Iterator[None]:
+    """Backend ``name`` active for the block: the cpu backend (detected and verified as it is)
+    computing on ``device_type`` over ``collectives``."""
+    from miles_core.hardware import reset
+    from miles_core.hardware.cpu import CpuBackend
+    from miles_core.testing import plugin_module
+
+    backend = type("Backend", (CpuBackend,), {"name": name, "device_type": device_type,
+                                              "distributed_backend": collectives})
+    miles_pm.register(plugin_module(f"hw-{name}", miles_hardware_backends=lambda: [backend()]), name=f"hw-{name}")
+    monkeypatch.setenv("MILES_HARDWARE", name)
+    reset()
+    try:
+        yield
+    finally:
+        reset()
+
+
 def _rank_joins_over(miles_pm, monkeypatch, name: str, device_type: str, collectives: str,
                      devices: tuple[str, ...]) -> list[str]:
-    """With backend ``name`` (the cpu backend computing on ``device_type`` over ``collectives``)
-    active: the process-group backend a rank on each of ``devices`` joins over."""
+    """The process-group backend a rank on each of ``devices`` joins over, with that backend active."""
     import torch
     import torch.distributed as dist
 
-    from miles_core.hardware import reset
-    from miles_core.hardware.cpu import CpuBackend
     from miles_core.rl.trainers.fsdp import init_rank
-    from miles_core.testing import plugin_module
 
-    # detected and verified like the cpu backend
-    backend = type("Backend", (CpuBackend,), {"name": name, "device_type": device_type,
-                                              "distributed_backend": collectives})
-    miles_pm.register(plugin_module("hw", miles_hardware_backends=lambda: [backend()]), name="hw")
-    monkeypatch.setenv("MILES_HARDWARE", name)
     joined: list[str] = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(backend))
     monkeypatch.setattr("miles_core.rl.trainers.fsdp.bind_device", lambda device: None)  # no such device here
-    reset()
-    try:
+    with _active_backend(miles_pm, monkeypatch, name, device_type, collectives):
         for device in devices:
             init_rank(0, 1, store=None, device=torch.device(device))
-    finally:
-        reset()
     return joined
 
 
@@ -70,6 +79,27 @@ def test_host_ranks_under_an_accelerator_backend_join_over_gloo(miles_pm, monkey
     process group is gloo; ranks on the accelerator keep the backend's collectives."""
     joined = _rank_joins_over(miles_pm, monkeypatch, "fake-gpu", "cuda", "nccl", ("cpu", "cuda:1"))
     assert joined == ["gloo", "nccl"]
+
+
+def test_megatron_on_the_host_of_an_accelerator_backend_is_refused_before_work(miles_pm_factory, monkeypatch) -> None:
+    """megatron-core allocates on ``torch.cuda.current_device()``: only the cpu backend points it
+    at the host, so ``trainer.device = "cpu"`` under another backend is refused at preflight."""
+    from miles_core.errors import ConfigError
+    from miles_core.rl.config import load_config
+    from miles_core.rl.preflight import check_device
+
+    miles_pm = miles_pm_factory(builtins=True)
+
+    def config(backend: str):
+        return load_config("tiny", overrides=[f'trainer.backend="{backend}"', 'trainer.device="cpu"'])
+
+    with _active_backend(miles_pm, monkeypatch, "fake-gpu", "cuda", "nccl"):
+        with pytest.raises(ConfigError, match=r"^trainer.device: trainer.backend = 'megatron' trains on the "
+                                              r"selected hardware backend's device \(fake-gpu: cuda\), not 'cpu'"):
+            check_device(config("megatron"), miles_pm)
+        check_device(config("hf"), miles_pm)  # the hf trainer runs on the host under any backend
+    with _active_backend(miles_pm, monkeypatch, "cpu-mpi", "cpu", "mpi"):
+        check_device(config("megatron"), miles_pm)
 
 
 def test_device_answers_on_the_host(miles_pm_factory) -> None:
