@@ -98,10 +98,10 @@ def distributed_backend(device: torch.device) -> str:
     from miles_core.hardware.activation import activate
     from miles_core.hardware.cpu import CpuBackend
 
-    active = activate()
-    if device.type == "cpu" and active.device.type != "cpu":
+    backend = activate().backend
+    if device.type == "cpu" and backend.device_type != "cpu":
         return CpuBackend.distributed_backend
-    return active.distributed_backend
+    return backend.distributed_backend
 
 
 def device_supports(device: torch.device, capability: str) -> bool:
