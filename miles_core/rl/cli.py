@@ -123,11 +123,13 @@ def train(
 
     from miles_core.rl.orchestrators import run_training
 
-    previous = None
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main else None
     try:
-        result = run_training(config, get_plugin_manager(), resume=resume, started=started)
-        if threading.current_thread() is threading.main_thread():  # the run is over: Ctrl-C only exits
-            previous = signal.signal(signal.SIGINT, _exit_interrupted)
+        # once the summary is written the run is over: a Ctrl-C only exits (no traceback from the
+        # runtime's teardown or the lines that print the summary)
+        result = run_training(config, get_plugin_manager(), resume=resume, started=started,
+                              after_summary=_exit_interrupted if in_main else None)
     except KeyboardInterrupt:
         click.echo("aborted (Ctrl-C): the run stopped where it was; its last checkpoint, if any, is kept", err=True)
         sys.exit(INTERRUPTED)
@@ -160,8 +162,9 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:
-    """SIGINT once the run has ended (summary written): exit at once instead of a traceback from
-    the lines that print the summary."""
+    """SIGINT once the run's summary is written: exit at once instead of a KeyboardInterrupt in the
+    runtime's teardown (printed as "Exception ignored" where it lands in a finalizer) or a
+    traceback from the lines that print the summary."""
     os.write(2, b"aborted (Ctrl-C)\n")
     os._exit(INTERRUPTED)
 

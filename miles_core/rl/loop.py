@@ -160,19 +160,30 @@ class _Span:
         self.timer.split[self.key] = self.timer.split.get(self.key, 0.0) + elapsed
 
 
+#: what ``signal.signal`` takes as a handler
+SignalHandler = Callable[[int, Any], None]
+
+
 class StopRequest:
     """Ctrl-C while the loop runs (main thread only): the first SIGINT asks the loop to stop after
     the step in flight -- the run then ends as at any stop, with a checkpoint of that step, the
     plot and ``summary.json`` (``interrupted: true``); a second raises KeyboardInterrupt.
 
-    While the runtime closes (:meth:`closing`), a Ctrl-C waits for the close to finish and is
-    raised then; only another one interrupts the close itself."""
+    While the runtime closes (:meth:`closing`), and from the summary's write (:meth:`summarised`)
+    on, a Ctrl-C is held until the close has finished and is acted on then; only another one
+    interrupts the close itself. Acting on it means raising KeyboardInterrupt, or, once the summary
+    is written, calling ``after_summary`` when the caller gave one: the ``miles train`` command's
+    exits at once (the run is over and on disk). ``after_summary`` also replaces the caller's
+    handler when this one leaves: a Ctrl-C while the run's objects are torn down must not raise
+    where Python can only print it ("Exception ignored in ... KeyboardInterrupt")."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_summary: SignalHandler | None = None) -> None:
         self.requested = False
         self.on_request: Callable[[], None] | None = None
+        self._after_summary = after_summary
         self._previous: Any = None
         self._closing = False
+        self._summarised = False
         self._deferred = False
 
     def __enter__(self) -> StopRequest:
@@ -182,33 +193,56 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self._closing and not self._deferred:
+        if (self._closing or self._summarised) and not self._deferred:
             self._deferred = True
             return
-        if self.requested or self._closing:
+        if self._summarised and self._after_summary is not None:
+            self._after_summary(signum, frame)
+            return
+        if self.requested or self._closing or self._summarised:
+            self._deferred = False  # this one is raised in its place
             raise KeyboardInterrupt
         self.requested = True
         if self.on_request is not None:
             self.on_request()
 
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+    def summarised(self) -> None:
+        """The run's summary is written: from now on a Ctrl-C is held, then handled as above."""
+        self._summarised = True
+
+    def _act_on_deferred(self) -> None:
+        if not self._deferred:
+            return
+        self._deferred = False
+        if self._summarised and self._after_summary is not None:
+            self._after_summary(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self._previous is None:
+            return
+        ours = self._after_summary if self._summarised and self._after_summary is not None else None
+        signal.signal(signal.SIGINT, ours or self._previous)
+        if exc_type is None:
+            self._act_on_deferred()  # one that came after the close
 
     @contextlib.contextmanager
     def closing(self) -> Iterator[None]:
         """Close the runtime: a KeyboardInterrupt raised inside a close cuts it short at any line
         -- an event loop left half closed, the closers after it skipped (their native threads
         then abort the interpreter at exit: "terminate called without an active exception"), an
-        "Exception ignored" from a weakref callback -- so a Ctrl-C now is raised after it. Not
+        "Exception ignored" from a weakref callback -- so a Ctrl-C now is acted on after it. Not
         when the close ends by an exception: that one goes on."""
         self._closing = True
         try:
             yield
+        except BaseException:
+            self._deferred = False
+            raise
         finally:
             self._closing = False
-        if self._deferred:
-            raise KeyboardInterrupt
+        self._act_on_deferred()
 
 
 def evaluate(runtime: Runtime, prompts: Sequence[Prompt]) -> float:
@@ -240,24 +274,27 @@ def train(
     resume: bool = False,
     build: Build | None = None,
     started: float | None = None,
+    after_summary: SignalHandler | None = None,
 ) -> RunResult:
     """Run (or resume) training; ``build`` assembles the runtime (default: ``orchestrator.kind``'s).
 
     ``started`` is the ``time.perf_counter()`` the run's clock counts from (the CLI passes the
     process's start, so the progress bar and the summary include start-up); default: now.
+    ``after_summary``: the SIGINT handler from the summary's write on (see :class:`StopRequest`);
+    default: a Ctrl-C then raises KeyboardInterrupt once the runtime is closed.
     """
     started = time.perf_counter() if started is None else started
     # matplotlib is imported by a child process on the core start-up and training leave idle
     plotter = PlotWorker() if config.run.plot else None
     try:
-        return _train(config, pm, resume, build, started, plotter)
+        return _train(config, pm, resume, build, started, plotter, after_summary)
     finally:
         if plotter is not None:
             plotter.close()  # a run that ended before its plot lets the worker go
 
 
 def _train(config: TrainConfig, pm: MilesPluginManager, resume: bool, build: Build | None, started: float,
-           plotter: PlotWorker | None) -> RunResult:
+           plotter: PlotWorker | None, after_summary: SignalHandler | None) -> RunResult:
     # start-up (verification, models, engine, sandbox) builds what the run keeps; the in-process
     # build collects once and freezes it (runtime.freeze_startup_heap) before collection resumes
     with gc_paused():
@@ -276,7 +313,7 @@ def _train(config: TrainConfig, pm: MilesPluginManager, resume: bool, build: Bui
             run_dir.discard()
             raise
     failed = True
-    with StopRequest() as stop:
+    with StopRequest(after_summary) as stop:
         try:
             result = _run(config, runtime, metrics, trackers, checkpoint, started, stop, plotter)
             failed = False
@@ -411,4 +448,5 @@ def _run(config: TrainConfig, runtime: Runtime, metrics: MetricsLog, trackers: S
         hardware=activate().summary(),
     )
     write_json_atomic(config.run_dir / "summary.json", result.summary())
+    stop.summarised()
     return result

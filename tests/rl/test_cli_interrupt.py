@@ -135,6 +135,47 @@ def test_ctrl_c_while_the_stopped_run_exits_never_prints_a_traceback(char_model_
     assert summary.exists() and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
 
 
+#: `miles train` whose runtime holds an object that sends this process a Ctrl-C when it is freed:
+#: after the run, while the run's objects are torn down, where a KeyboardInterrupt could only be
+#: printed ("Exception ignored in ...")
+_CTRL_C_IN_TEARDOWN = """
+import os, signal
+import miles_core.rl.runtime as runtime_module
+
+class CtrlCWhenFreed:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000):  # the handler runs between bytecodes of this thread
+            pass
+        open(os.environ["FREED_MARKER"], "w").close()
+
+build = runtime_module.build_inprocess
+def build_holding_the_probe(*args):
+    runtime = build(*args)
+    runtime.probe = CtrlCWhenFreed()
+    return runtime
+runtime_module.build_inprocess = build_holding_the_probe
+
+from miles_core.cli import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_finished_run_is_torn_down_exits_at_once(char_model_dir, tmp_path):
+    """The run ended and wrote its summary; a Ctrl-C while its runtime is freed ends the command
+    (130, "aborted") instead of a KeyboardInterrupt raised into a finalizer."""
+    runs, marker = tmp_path / "runs", tmp_path / "freed"
+    config = _config(tmp_path / "run.toml", char_model_dir, runs, steps=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_CACHE_DIR": str(tmp_path / "cache"),
+           "FREED_MARKER": str(marker)}
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_IN_TEARDOWN, "train", "--config", str(config)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert ((runs / "latest").resolve() / "summary.json").exists(), done.stderr[-3000:]
+    assert not marker.exists()  # the Ctrl-C ended the process inside the finalizer, as it should
+    assert done.returncode == 130 and "aborted (Ctrl-C)" in done.stderr, done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 #: `miles train` with a non-daemon thread that never ends (as a library's may): Python's shutdown
 #: waits for it, and the thread marks when that wait has begun
 _LINGERING = """

@@ -128,3 +128,79 @@ def test_a_failing_close_is_not_masked_by_a_waiting_ctrl_c() -> None:
     with StopRequest() as stop, pytest.raises(RuntimeError, match="closer failed"), stop.closing():
         _ctrl_c()
         raise RuntimeError("closer failed")
+
+
+class _Handled:
+    """An ``after_summary`` handler that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.calls.append(signum)
+
+
+@needs_sigint
+def test_a_ctrl_c_after_the_summary_waits_for_the_close_and_goes_to_after_summary() -> None:
+    after, steps = _Handled(), []
+    with StopRequest(after) as stop:
+        stop.summarised()
+        _ctrl_c()  # between the summary's write and the close: held, not raised into the loop's tail
+        steps.append("reached the close")
+        with stop.closing():
+            steps.append("closed")
+        assert after.calls == [signal.SIGINT]
+    assert steps == ["reached the close", "closed"]
+
+
+@needs_sigint
+def test_without_after_summary_a_held_ctrl_c_is_raised_once_closed() -> None:
+    steps: list[str] = []
+    with StopRequest() as stop, pytest.raises(KeyboardInterrupt):
+        stop.summarised()
+        _ctrl_c()
+        steps.append("reached the close")
+        with stop.closing():
+            steps.append("closed")
+    assert steps == ["reached the close", "closed"]
+
+
+@needs_sigint
+def test_after_the_summary_the_caller_keeps_after_summary_as_its_handler() -> None:
+    """The run's objects are torn down after the loop's handler leaves: a Ctrl-C there must reach
+    ``after_summary``, not the caller's previous handler (Python's raises into finalizers)."""
+    after = _Handled()
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with StopRequest(after) as stop:
+            stop.summarised()
+        assert signal.getsignal(signal.SIGINT) is after
+        _ctrl_c()
+        assert after.calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@needs_sigint
+def test_a_run_that_never_wrote_its_summary_gives_the_previous_handler_back() -> None:
+    after = _Handled()
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequest(after):
+        pass
+    assert signal.getsignal(signal.SIGINT) is previous and after.calls == []
+
+
+@needs_sigint
+def test_a_ctrl_c_between_the_close_and_the_end_is_acted_on_at_the_end() -> None:
+    after = _Handled()
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with StopRequest(after) as stop:
+            stop.summarised()
+            with stop.closing():
+                pass
+            _ctrl_c()
+            assert after.calls == []
+        assert after.calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
