@@ -222,8 +222,8 @@ class StopRequest:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self._previous is None:
             return
-        ours = self._after_summary if self._summarised and self._after_summary is not None else None
-        signal.signal(signal.SIGINT, ours or self._previous)
+        after = self._after_summary if self._summarised else None
+        signal.signal(signal.SIGINT, after or self._previous)
         if exc_type is None:
             self._act_on_deferred()  # one that came after the close
 
