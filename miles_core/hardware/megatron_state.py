@@ -1,4 +1,5 @@
-"""Run megatron-core in one process: ``parallel_state`` at world size 1, on the active backend.
+"""Run megatron-core in one process: ``parallel_state`` at world size 1, on the active backend,
+and read the per-depth MTP losses its training forwards record.
 
 Used by tests and tools that build small megatron models (the mtp plugin, the megatron trainer
 backend on CPU)::
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import MilesError
 from miles_core.hardware.activation import ActiveHardware, activate
@@ -71,3 +72,35 @@ def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> t
     import torch
 
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def _mtp_tracker() -> tuple[dict[str, Any], tuple[str, ...]]:
+    """megatron-core's MTP logging tracker and the keys of its per-depth tensors, loss sums first.
+
+    Releases differ: those whose ``MTPLossLoggingHelper`` has ``save_loss_to_tracker`` (0.16) keep
+    the losses under ``"values"``; those with ``save_metrics_to_tracker`` (0.19) under
+    ``"loss_values"``, beside the depths' acceptance counts."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        return MTPLossLoggingHelper.tracker, ("loss_values", "correct_values", "total_values")
+    if hasattr(MTPLossLoggingHelper, "save_loss_to_tracker"):
+        return MTPLossLoggingHelper.tracker, ("values",)
+    raise MilesError(
+        "this megatron-core's MTPLossLoggingHelper has neither save_loss_to_tracker nor "
+        "save_metrics_to_tracker: where it records MTP losses is unknown"
+    )
+
+
+def mtp_loss_sums() -> torch.Tensor | None:
+    """The MTP losses megatron-core recorded since :func:`clear_mtp_loss_records`, one per depth:
+    each training-mode forward adds its depth's mean token loss. None when none was recorded."""
+    tracker, keys = _mtp_tracker()
+    return tracker.get(keys[0])
+
+
+def clear_mtp_loss_records() -> None:
+    """Drop megatron-core's per-depth MTP records; its next training forward starts them anew."""
+    tracker, keys = _mtp_tracker()
+    for key in keys:
+        tracker.pop(key, None)

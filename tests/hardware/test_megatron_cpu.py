@@ -8,10 +8,11 @@ import torch
 from miles_core.ci.register import register_cpu_ci
 from miles_core.errors import ActivationError, MilesError
 from miles_core.hardware import activate, reset
-from miles_core.hardware.base import FixReport
+from miles_core.hardware.base import ENV_OVERRIDE, FixReport
 from miles_core.hardware.cpu import CpuBackend
 from miles_core.hardware.megatron_cpu import MegatronCpuFixes
 from miles_core.hardware.megatron_state import causal_attention_mask, single_rank_parallel_state
+from miles_core.testing.hardware import cpu_only_torch
 
 pytest.importorskip("megatron.core")
 
@@ -30,6 +31,12 @@ SEQ, BATCH, VOCAB = 8, 2, 64
 @pytest.fixture(autouse=True)
 def one_thread() -> None:
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cpu backend on any host: a GPU host's detection selects its GPU's backend."""
+    monkeypatch.setenv(ENV_OVERRIDE, "cpu")
 
 
 def train_step(seed: int, mtp_num_layers: int | None = None) -> tuple[float, GPTModel]:
@@ -84,6 +91,7 @@ def test_tiny_gpt_model_trains_on_cpu_through_the_backend(miles_pm_factory, mtp_
     assert not torch.distributed.is_initialized()
 
 
+@cpu_only_torch  # the failures asserted are a CPU-only build's
 def test_without_the_fixes_megatron_cannot_run_on_cpu(miles_pm_factory) -> None:
     activate(miles_pm_factory(builtins=True)).prepare("megatron")
     reset()  # reverts the fixes: the negative control
@@ -97,6 +105,7 @@ def test_without_the_fixes_megatron_cannot_run_on_cpu(miles_pm_factory) -> None:
         MegatronCpuFixes().verify()
 
 
+@cpu_only_torch  # the failures asserted are a CPU-only build's
 def test_verification_notices_a_fix_undone_behind_its_back(miles_pm_factory, monkeypatch) -> None:
     megatrons_fork = megatron_random.CudaRNGStatesTracker.__dict__["fork"]
     activate(miles_pm_factory(builtins=True)).prepare("megatron")
@@ -107,6 +116,7 @@ def test_verification_notices_a_fix_undone_behind_its_back(miles_pm_factory, mon
             MegatronCpuFixes().verify()
 
 
+@cpu_only_torch  # the failures asserted are a CPU-only build's
 def test_a_fix_that_does_not_take_fails_preparation_naming_the_plugin(miles_pm_factory, monkeypatch) -> None:
     monkeypatch.setattr(MegatronCpuFixes, "apply", lambda self: FixReport("megatron-cpu", "applied", "did nothing"))
     hardware = activate(miles_pm_factory(builtins=True))
@@ -118,6 +128,7 @@ def test_a_fix_that_does_not_take_fails_preparation_naming_the_plugin(miles_pm_f
     assert "megatron" not in hardware.prepared
 
 
+@cpu_only_torch  # the failures asserted are a CPU-only build's
 def test_fixes_are_not_needed_without_megatron(monkeypatch) -> None:
     monkeypatch.setattr("miles_core.hardware.megatron_cpu.megatron_installed", lambda: False)
     backend = CpuBackend()
@@ -135,3 +146,45 @@ def test_the_parallel_state_helper_refuses_to_nest(miles_pm_factory) -> None:
     ):
         pass
     assert not parallel_state.model_parallel_is_initialized()
+
+
+def test_mtp_losses_are_read_where_this_megatron_core_records_them(miles_pm_factory) -> None:
+    from miles_core.hardware.megatron_state import clear_mtp_loss_records, mtp_loss_sums
+
+    activate(miles_pm_factory(builtins=True))
+    clear_mtp_loss_records()
+    assert mtp_loss_sums() is None
+    train_step(seed=3, mtp_num_layers=2)
+    first = mtp_loss_sums()
+    assert first is not None and tuple(first.shape) == (2,) and bool((first > 0).all()), first
+    first = first.clone()
+    train_step(seed=3, mtp_num_layers=2)  # the same forward again: its losses add up
+    assert torch.allclose(mtp_loss_sums(), 2 * first)
+    clear_mtp_loss_records()
+    assert mtp_loss_sums() is None
+
+
+@pytest.mark.parametrize("api, key", [("save_loss_to_tracker", "values"), ("save_metrics_to_tracker", "loss_values")])
+def test_each_release_layout_of_the_mtp_records_is_read(monkeypatch, api: str, key: str) -> None:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from miles_core.hardware.megatron_state import clear_mtp_loss_records, mtp_loss_sums
+
+    for name in ("save_loss_to_tracker", "save_metrics_to_tracker"):
+        monkeypatch.delattr(MTPLossLoggingHelper, name, raising=False)
+    monkeypatch.setattr(MTPLossLoggingHelper, api, staticmethod(lambda *args, **kwargs: None), raising=False)
+    monkeypatch.setattr(MTPLossLoggingHelper, "tracker", {key: torch.tensor([0.5, 0.25])})
+    assert mtp_loss_sums().tolist() == [0.5, 0.25]
+    clear_mtp_loss_records()
+    assert MTPLossLoggingHelper.tracker == {}
+
+
+def test_an_unknown_mtp_records_layout_is_an_error(monkeypatch) -> None:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from miles_core.hardware.megatron_state import mtp_loss_sums
+
+    for name in ("save_loss_to_tracker", "save_metrics_to_tracker"):
+        monkeypatch.delattr(MTPLossLoggingHelper, name, raising=False)
+    with pytest.raises(MilesError, match="where it records MTP losses is unknown"):
+        mtp_loss_sums()

@@ -151,6 +151,10 @@ class MegatronTrainer:
             )
         self.model.train()
         self._mtp_rows = 0
+        if self.mtp_layers:  # what preparation's probe forwards recorded is not the first step's
+            from miles_core.hardware.megatron_state import clear_mtp_loss_records
+
+            clear_mtp_loss_records()
         algo = config.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
         # the MTP loss joins the backward inside the forward, per row: every sample laid out
@@ -199,14 +203,16 @@ class MegatronTrainer:
         return stats
 
     def _mtp_losses(self) -> dict[str, float]:
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        from miles_core.hardware.megatron_state import clear_mtp_loss_records, mtp_loss_sums
 
-        values = MTPLossLoggingHelper.tracker.get("values")
+        values = mtp_loss_sums()
         rows, self._mtp_rows = self._mtp_rows, 0
-        if values is None or not rows:
+        if not rows:
             return {}
+        if values is None:
+            raise RuntimeError(f"megatron-core recorded no MTP losses for the step's {rows} MTP rows")
         out = {f"mtp_loss_depth{depth + 1}": float(value) / rows for depth, value in enumerate(values.tolist())}
-        values.zero_()
+        clear_mtp_loss_records()
         return out
 
     def engine_weights(self) -> dict[str, torch.Tensor]:

@@ -146,9 +146,12 @@ class TokenLosses:
 def forward_token_losses(model: Any, batch: MTPBatch) -> TokenLosses:
     """One training-mode forward of a prepared megatron model with MTP, through its adapter."""
     import torch
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from miles_core.hardware.megatron_state import causal_attention_mask
+    from miles_core.hardware.megatron_state import (
+        causal_attention_mask,
+        clear_mtp_loss_records,
+        mtp_loss_sums,
+    )
 
     batch = execution_batch(model, batch)
     device = next(model.parameters()).device
@@ -159,7 +162,7 @@ def forward_token_losses(model: Any, batch: MTPBatch) -> TokenLosses:
         from miles_mtp.probe import packed_seq_params
 
         kwargs["packed_seq_params"] = packed_seq_params(batch.layout.cu_seqlens)
-    _reset_mtp_tracker(model.config.mtp_num_layers, device)
+    clear_mtp_loss_records()
     model.train()
     output = model(
         input_ids=tokens,
@@ -173,9 +176,10 @@ def forward_token_losses(model: Any, batch: MTPBatch) -> TokenLosses:
         output = torch.nn.functional.cross_entropy(
             output.float().transpose(1, 2), targets.to(device), reduction="none"
         )
-    values = MTPLossLoggingHelper.tracker["values"]
+    values = mtp_loss_sums()
+    if values is None:
+        raise RuntimeError("megatron-core recorded no MTP losses for a training-mode forward")
     mtp = tuple(float(v) for v in values)
-    values.zero_()
     return TokenLosses(batch, output, mtp)
 
 
@@ -203,16 +207,3 @@ def evaluate(model: Any, batch: MTPBatch) -> MTPLosses:
     with torch.no_grad():
         main, mtp = forward_losses(model, batch)
     return MTPLosses(float(main), mtp)
-
-
-def _reset_mtp_tracker(depths: int, device: torch.device) -> None:
-    """Start megatron's per-depth MTP loss tracker from zero for this forward."""
-    import torch
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    tracker = MTPLossLoggingHelper.tracker
-    values = tracker.get("values")
-    if values is None or values.shape != (depths,) or values.device != device:
-        tracker["values"] = torch.zeros(depths, device=device)
-    else:
-        values.zero_()

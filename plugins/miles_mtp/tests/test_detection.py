@@ -6,7 +6,7 @@ import pytest
 from megatron.core.models.gpt import GPTModel
 from miles_mtp.contract import LabelContractError
 from miles_mtp.conventions import GPT, MAMBA, path_for
-from miles_mtp.probe import detect
+from miles_mtp.probe import accepts, detect
 
 from miles_core.ci.register import register_cpu_ci
 
@@ -33,10 +33,24 @@ def test_the_installed_megatron_core_implements_the_upstream_gpt_convention():
     assert convention.describe().endswith("takes next-token labels through labels=<labels>, loss_mask=<mask>")
 
 
-def test_a_path_without_mtp_in_this_megatron_core_has_no_convention():
-    # megatron-core 0.16.1's MambaModel.forward takes neither mtp_labels= nor loss_mask=
-    assert MAMBA.load() is not None
-    assert detect(MAMBA) is None
+def test_a_path_whose_forward_takes_no_mtp_labels_has_no_convention():
+    class NoLabelsGPTModel(GPTModel):
+        def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
+            return super().forward(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+
+    assert detect(GPT, NoLabelsGPTModel) is None
+
+
+def test_the_installed_mamba_path_has_a_convention_exactly_when_it_takes_mtp_labels():
+    # megatron-core 0.16's MambaModel.forward takes neither mtp_labels= nor loss_mask=; 0.19's takes
+    # labels= and loss_mask= and trains its MTP depths on them
+    mamba = MAMBA.load()
+    assert mamba is not None
+    convention = detect(MAMBA)
+    if any(accepts(mamba, interface) for interface in MAMBA.interfaces):
+        assert convention is not None and convention.model_class.endswith("MambaModel"), convention
+    else:
+        assert convention is None
 
 
 def test_a_path_that_rolls_across_documents_is_a_registration_error(doubles):
