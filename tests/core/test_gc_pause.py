@@ -115,6 +115,7 @@ import atexit, gc, sys
 from miles_core.cli import main
 
 gc.disable()
+frozen_before = gc.get_freeze_count()  # a host's site customisation may have frozen its start-up
 
 class Cycle:
     def __del__(self):
@@ -124,7 +125,7 @@ garbage = Cycle()
 garbage.self = garbage
 del garbage
 # registered before main(): runs after whatever main() registers
-atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, file=sys.stderr, flush=True))
+atexit.register(lambda: print("frozen", gc.get_freeze_count() > frozen_before, file=sys.stderr, flush=True))
 sys.argv = ["miles", "--version"]
 main(ARGV)
 """

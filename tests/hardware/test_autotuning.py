@@ -78,7 +78,10 @@ def test_the_autotuner_is_restored_when_a_check_raises(fake_triton: type[_Autotu
 
 
 def test_without_triton_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    # importing any of it raises ImportError, also where this process had imported Triton (a GPU
+    # host's torch does): a cached submodule would be found without its package
+    for name in ["triton", *(n for n in sys.modules if n.startswith("triton."))]:
+        monkeypatch.setitem(sys.modules, name, None)
     with first_config_autotuning() as active:
         assert not active
 

@@ -4,12 +4,14 @@ leave it alone (it takes seconds to import), ``prepare("megatron")`` brings it i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from miles_core.ci.register import register_cpu_ci
+from miles_core.hardware.base import ENV_OVERRIDE
 
 register_cpu_ci(est_time=15, suite="stage-a-cpu")
 
@@ -32,7 +34,9 @@ print(json.dumps({"before": before, "after": "megatron.core" in sys.modules,
 
 
 def test_an_hf_job_imports_megatron_only_when_it_prepares_it() -> None:
-    proc = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=120)
+    # the cpu backend, whose megatron fixes are named below, also on a host with a GPU
+    env = {**os.environ, ENV_OVERRIDE: "cpu"}
+    proc = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.splitlines()[-1])
     assert seen["before"] == [], "activation or preparing an hf model imported megatron"

@@ -16,6 +16,15 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("miles_core.hardware.megatron_state")
 
 
+@pytest.fixture(autouse=True)
+def cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron on the host needs the cpu backend's fixes: on a GPU host it is chosen explicitly
+    (with that host's own backend, preflight refuses megatron on a cpu trainer)."""
+    from miles_core.hardware.base import ENV_OVERRIDE
+
+    monkeypatch.setenv(ENV_OVERRIDE, "cpu")
+
+
 def test_weight_conversion_round_trips(char_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoConfig
