@@ -10,8 +10,8 @@ When megatron-core is prepared (``activate().prepare("megatron")``), the guard a
 megatron-core, by behaviour, whether it already copies blocking under HIP (:func:`observe_copy_mode`, under a simulated HIP build when this torch is
 not one). Only if it does not, the guard wraps ``preload_tensors`` *on the class itself*, so the
 class seen through every module that names it carries the guard, whatever the import order.
-:func:`verify_guard` then observes the copy mode through each module path in
-:data:`WRITER_PATHS`.
+:func:`verify_guard` then observes the copy mode through each name of the writer
+(:func:`writer_classes`).
 
 This module imports torch and megatron-core; import it only when megatron is prepared.
 """
@@ -33,22 +33,36 @@ from miles_core.hardware.patching import AttributePatch, qualname
 
 FIX_NAME = "checkpoint-guard"
 
-#: every module attribute that names megatron's async writer (``strategies.torch`` binds the
-#: name at import time, so a rebinding of one would not reach the other)
-WRITER_PATHS: tuple[str, ...] = (
-    "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
-    "megatron.core.dist_checkpointing.strategies.torch.FileSystemWriterAsync",
-)
+#: megatron's async writer, in its own module
+WRITER_PATH = "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync"
+#: the module whose save strategy uses the writer
+TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
+#: the async save strategies of releases that resolve the writer per save
+ASYNC_STRATEGIES = ("mcore", "nvrx")
 
 _GUARD_MARK = "__miles_rocm_checkpoint_guard__"
 
 
 def writer_classes() -> dict[str, type[Any]]:
-    """The writer class each path in :data:`WRITER_PATHS` names right now."""
-    classes = {}
-    for path in WRITER_PATHS:
-        module_name, _, attr = path.rpartition(".")
-        classes[path] = getattr(importlib.import_module(module_name), attr)
+    """The writer class each name of it in the installed megatron-core gives right now.
+
+    Its own module's; the name ``strategies.torch`` binds at import time where a release does
+    (0.16: a rebinding of one would not reach the other); and, where a release resolves the writer
+    when a save starts (0.19: ``get_async_strategy``), the class each async strategy resolves:
+    megatron's own ("mcore") and, when nvidia-resiliency-ext is installed, its writer ("nvrx", the
+    default of those releases' async saves)."""
+    own_module, _, attr = WRITER_PATH.rpartition(".")
+    classes = {WRITER_PATH: getattr(importlib.import_module(own_module), attr)}
+    strategy = importlib.import_module(TORCH_STRATEGY)
+    if hasattr(strategy, "FileSystemWriterAsync"):
+        classes[f"{TORCH_STRATEGY}.FileSystemWriterAsync"] = strategy.FileSystemWriterAsync
+    if hasattr(strategy, "get_async_strategy"):
+        for name in ASYNC_STRATEGIES:
+            try:
+                _, modules = strategy.get_async_strategy(name)
+            except ModuleNotFoundError:  # nvrx without nvidia-resiliency-ext: a save cannot use it
+                continue
+            classes[f"{TORCH_STRATEGY}.get_async_strategy({name!r})"] = modules["FileSystemWriterAsync"]
     return classes
 
 
@@ -138,7 +152,8 @@ class CheckpointGuard:
         self._patches: list[AttributePatch] = []
 
     def install(self) -> FixReport:
-        classes = list(dict.fromkeys(writer_classes().values()))
+        paths = writer_classes()
+        classes = list(dict.fromkeys(paths.values()))
         for writer_cls in classes:
             if is_guarded(writer_cls) or observe_copy_mode(writer_cls) == "pageable-blocking":
                 continue
@@ -153,7 +168,7 @@ class CheckpointGuard:
             self._patches.append(patch)
         guarded = [qualname(c) for c in classes if is_guarded(c)]
         version = _megatron_version()
-        checked = f"checked through {len(WRITER_PATHS)} module paths naming the writer"
+        checked = f"checked through {len(paths)} module paths naming the writer"
         if guarded:
             return FixReport(
                 FIX_NAME,
@@ -172,7 +187,7 @@ class CheckpointGuard:
 
 
 def verify_guard() -> None:
-    """Raise unless the writer named by every path in :data:`WRITER_PATHS` copies blocking under HIP."""
+    """Raise unless the writer named by every path of :func:`writer_classes` copies blocking under HIP."""
     for path, writer_cls in writer_classes().items():
         mode = observe_copy_mode(writer_cls)
         if mode != "pageable-blocking":

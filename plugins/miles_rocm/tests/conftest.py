@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from inspect import signature
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,9 @@ def save_async_then_fork(checkpoint_dir: Path, device: torch.device) -> list[boo
         weights = {name: torch.randn(256, 64, device=device) for name in ("embedding", "head")}
         torch.Tensor.to = recording_to
         try:
-            request = dist_checkpointing.save(sharded(weights), str(checkpoint_dir), async_sharded_save=True)
+            # releases that also offer nvidia-resiliency-ext's writer default to it (0.19): megatron's own
+            strategy = {"async_strategy": "mcore"} if "async_strategy" in signature(dist_checkpointing.save).parameters else {}
+            request = dist_checkpointing.save(sharded(weights), str(checkpoint_dir), async_sharded_save=True, **strategy)
             queue = AsyncCallsQueue()
             queue.schedule_async_request(request)  # stages to the host, then forks the writer
             queue.maybe_finalize_async_calls(blocking=True)

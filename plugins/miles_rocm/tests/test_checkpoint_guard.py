@@ -1,13 +1,15 @@
-"""The async-checkpoint guard under a simulated HIP build, through both writer import paths."""
+"""The async-checkpoint guard under a simulated HIP build, through every name of the writer."""
 
 from __future__ import annotations
+
+import re
 
 import miles_rocm.plugin
 import pytest
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-from miles_rocm.checkpoint import WRITER_PATHS, is_guarded, observe_copy_mode, verify_guard, writer_classes
+from miles_rocm.checkpoint import WRITER_PATH, is_guarded, observe_copy_mode, verify_guard, writer_classes
 
 from miles_core.ci.register import register_cpu_ci
 from miles_core.hardware import activate
@@ -70,30 +72,48 @@ def test_activation_alone_leaves_megatron_unguarded(hip_build, miles_pm_factory,
     assert is_guarded(Writer) and hardware.fix("checkpoint-guard").status == "fallback"
 
 
-def modes_through_both_paths() -> list[str]:
+def modes_through_every_path() -> list[str]:
     return [observe_copy_mode(cls) for cls in writer_classes().values()]
 
 
-def test_both_paths_name_the_writer() -> None:
-    assert WRITER_PATHS == (
-        "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
-        "megatron.core.dist_checkpointing.strategies.torch.FileSystemWriterAsync",
-    )
-    assert torch_strategy.FileSystemWriterAsync is Writer
+def every_path(mode: str) -> list[str]:
+    return [mode] * len(writer_classes())
+
+
+def rebind_in_the_torch_strategy(monkeypatch: pytest.MonkeyPatch, writer: type) -> str:
+    """Make megatron's torch save strategy use ``writer``, the writer's own module left as it is;
+    returns the path that now names ``writer``."""
+    if hasattr(torch_strategy, "FileSystemWriterAsync"):  # bound when the module is imported (0.16)
+        monkeypatch.setattr(torch_strategy, "FileSystemWriterAsync", writer)
+        return "megatron.core.dist_checkpointing.strategies.torch.FileSystemWriterAsync"
+    resolve = torch_strategy.get_async_strategy  # resolved when a save starts (0.19)
+
+    def resolving(async_strategy: str = "nvrx", module: str | None = None) -> tuple:
+        name, modules = resolve(async_strategy)
+        modules = {**modules, "FileSystemWriterAsync": writer}
+        return name, modules if module is None else modules[module]
+
+    monkeypatch.setattr(torch_strategy, "get_async_strategy", resolving)
+    return "megatron.core.dist_checkpointing.strategies.torch.get_async_strategy('mcore')"
+
+
+def test_every_name_of_the_writer_is_found() -> None:
+    names = writer_classes()
+    # its own module's, and the torch save strategy's (an import-time name or a per-save resolution)
+    assert next(iter(names)) == WRITER_PATH and len(names) >= 2, names
+    assert set(names.values()) == {Writer}
 
 
 def test_not_fixed_writer_gets_the_fallback_on_the_class(hip_build, rocm, monkeypatch) -> None:
     monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
-    assert modes_through_both_paths() == ["pinned-non-blocking"] * 2
+    assert modes_through_every_path() == every_path("pinned-non-blocking")
 
     hardware = rocm()
     report = hardware.fix("checkpoint-guard")
     assert report.status == "fallback"
     assert "FileSystemWriterAsync" in report.detail
-    assert modes_through_both_paths() == ["pageable-blocking"] * 2
-    assert is_guarded(filesystem_async.FileSystemWriterAsync) and is_guarded(
-        torch_strategy.FileSystemWriterAsync
-    )
+    assert modes_through_every_path() == every_path("pageable-blocking")
+    assert all(is_guarded(cls) for cls in writer_classes().values())
 
     tensor = torch.arange(4.0)
     [(_, _, (_, [(_, copied)]))] = Writer.preload_tensors([("f", "k", ([], [("item", tensor)]))], True)
@@ -117,14 +137,14 @@ def test_upstream_fixed_writer_is_left_alone(hip_build, rocm, monkeypatch) -> No
     assert hardware.fix("checkpoint-guard").status == "upstream"
     assert Writer.__dict__["preload_tensors"].__func__ is upstream_fixed_preload
     assert not is_guarded(Writer)
-    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+    assert modes_through_every_path() == every_path("pageable-blocking")
 
 
 def test_the_installed_megatron_is_guarded_either_way(hip_build, rocm) -> None:
     before = observe_copy_mode(Writer)
     status = rocm().fix("checkpoint-guard").status
     assert status == ("upstream" if before == "pageable-blocking" else "fallback")
-    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+    assert modes_through_every_path() == every_path("pageable-blocking")
     verify_guard()
 
 
@@ -135,11 +155,8 @@ def test_a_writer_rebound_in_one_module_is_caught_through_that_path(hip_build, r
     class RebindingWriter(Writer):  # what upstream's workaround did, in one module only
         preload_tensors = staticmethod(not_fixed_preload)
 
-    monkeypatch.setattr(torch_strategy, "FileSystemWriterAsync", RebindingWriter)
-    with pytest.raises(
-        RuntimeError,
-        match=r"^megatron\.core\.dist_checkpointing\.strategies\.torch\.FileSystemWriterAsync copies",
-    ):
+    path = rebind_in_the_torch_strategy(monkeypatch, RebindingWriter)
+    with pytest.raises(RuntimeError, match=f"^{re.escape(path)} copies"):
         verify_guard()
 
 
@@ -149,10 +166,10 @@ def test_activation_guards_a_rebound_subclass_too(hip_build, rocm, monkeypatch) 
     class RebindingWriter(Writer):
         preload_tensors = staticmethod(not_fixed_preload)
 
-    monkeypatch.setattr(torch_strategy, "FileSystemWriterAsync", RebindingWriter)
+    rebind_in_the_torch_strategy(monkeypatch, RebindingWriter)
     detail = rocm().fix("checkpoint-guard").detail
     assert "filesystem_async.FileSystemWriterAsync" in detail and "RebindingWriter" in detail
-    assert modes_through_both_paths() == ["pageable-blocking"] * 2
+    assert modes_through_every_path() == every_path("pageable-blocking")
 
 
 def test_reactivation_does_not_wrap_twice(hip_build, rocm, miles_pm_factory, monkeypatch) -> None:
