@@ -151,7 +151,7 @@ class MegatronTrainer:
             )
         self.model.train()
         self._mtp_rows = 0
-        if self.mtp_layers:  # what preparation's probe forwards recorded is not the first step's
+        if self.mtp_layers:  # the records are process-wide: what earlier forwards left is not this run's
             from miles_core.hardware.megatron_state import clear_mtp_loss_records
 
             clear_mtp_loss_records()
