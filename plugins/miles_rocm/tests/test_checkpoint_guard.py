@@ -187,3 +187,39 @@ def test_the_guard_does_nothing_on_a_build_that_is_not_hip(rocm, monkeypatch) ->
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(kw) or self.clone())
     Writer.preload_tensors([("f", "k", ([], [("item", torch.ones(1))]))], True)
     assert calls == [{"non_blocking": True}]
+
+
+def resolving_per_save(nvrx_writer: type | None):
+    """A ``get_async_strategy`` as releases that resolve the writer per save have it (0.19); with
+    ``nvrx_writer=None`` nvidia-resiliency-ext is not installed."""
+
+    def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) -> tuple:
+        if async_strategy == "nvrx" and nvrx_writer is None:
+            raise ModuleNotFoundError("A compatible `nvidia-resiliency-ext` installation is required")
+        modules = {"FileSystemWriterAsync": nvrx_writer if async_strategy == "nvrx" else Writer}
+        return async_strategy, modules if module is None else modules[module]
+
+    return get_async_strategy
+
+
+def test_the_writer_of_each_async_strategy_is_guarded(hip_build, rocm, monkeypatch) -> None:
+    monkeypatch.setattr(Writer, "preload_tensors", staticmethod(not_fixed_preload))
+
+    class ResilienceWriter:  # nvidia-resiliency-ext's writer: a class apart from megatron's
+        preload_tensors = staticmethod(not_fixed_preload)
+
+    monkeypatch.setattr(torch_strategy, "get_async_strategy", resolving_per_save(ResilienceWriter), raising=False)
+    names = writer_classes()
+    assert names["megatron.core.dist_checkpointing.strategies.torch.get_async_strategy('nvrx')"] is ResilienceWriter
+    assert modes_through_every_path().count("pinned-non-blocking") == len(names)
+    detail = rocm().fix("checkpoint-guard").detail
+    assert "ResilienceWriter" in detail and "filesystem_async.FileSystemWriterAsync" in detail
+    assert modes_through_every_path() == every_path("pageable-blocking")
+    verify_guard()
+
+
+def test_without_nvidia_resiliency_ext_its_strategy_is_not_a_name_of_the_writer(monkeypatch) -> None:
+    monkeypatch.setattr(torch_strategy, "get_async_strategy", resolving_per_save(None), raising=False)
+    names = writer_classes()
+    assert "megatron.core.dist_checkpointing.strategies.torch.get_async_strategy('mcore')" in names
+    assert not any("'nvrx'" in path for path in names)
