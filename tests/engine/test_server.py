@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -137,8 +138,12 @@ def test_weight_update_from_disk_over_http(client, server, tmp_path) -> None:
 
     before = _chat(client, **request)
     with ThreadPoolExecutor(4) as pool:  # in flight while the update arrives
-        in_flight = [pool.submit(_chat, client, **{**request, "seed": i}) for i in range(4)]
+        # long enough that none ends before the last is admitted, on a loaded 2-core machine too
+        in_flight = [pool.submit(_chat, client, **{**request, "seed": i, "max_tokens": 400}) for i in range(4)]
+        deadline = time.monotonic() + 60
         while server.engine.stats()["running"] < 4:
+            assert not any(f.done() for f in in_flight), "a request ended before all four were in flight"
+            assert time.monotonic() < deadline, f"four requests never ran together: {server.engine.stats()}"
             threading.Event().wait(0.001)
         update = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "step-7"})
         finished = [f.result() for f in in_flight]
