@@ -196,12 +196,9 @@ class StopRequest:
         if (self._closing or self._summarised) and not self._deferred:
             self._deferred = True
             return
-        if self._summarised and self._after_summary is not None:
-            self._after_summary(signum, frame)
-            return
         if self.requested or self._closing or self._summarised:
-            self._deferred = False  # this one is raised in its place
-            raise KeyboardInterrupt
+            self._interrupt(signum, frame)
+            return
         self.requested = True
         if self.on_request is not None:
             self.on_request()
@@ -210,14 +207,19 @@ class StopRequest:
         """The run's summary is written: from now on a Ctrl-C is held, then handled as above."""
         self._summarised = True
 
-    def _act_on_deferred(self) -> None:
-        if not self._deferred:
-            return
-        self._deferred = False
+    def _interrupt(self, signum: int, frame: object) -> None:
+        """Act on a Ctrl-C now: after the summary the caller's ``after_summary`` if it gave one,
+        else KeyboardInterrupt (raised in place of a held one)."""
         if self._summarised and self._after_summary is not None:
-            self._after_summary(signal.SIGINT, None)
+            self._after_summary(signum, frame)
         else:
+            self._deferred = False
             raise KeyboardInterrupt
+
+    def _act_on_deferred(self) -> None:
+        if self._deferred:
+            self._deferred = False
+            self._interrupt(signal.SIGINT, None)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self._previous is None:
