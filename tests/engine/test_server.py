@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -21,36 +23,35 @@ register_cpu_ci(est_time=11, suite="stage-a-cpu")
 PROMPT = [257, 117, 115, 101, 114, 10, 104, 105, 258, 10, 257, 97, 115, 115, 105, 115, 116, 97, 110, 116, 10]
 
 
-def _serve(tiny_dir) -> EmbeddedServer:
-    return EmbeddedServer(Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=8)), default_max_tokens=16)
+@contextmanager
+def _serving(tiny_dir) -> Iterator[EmbeddedServer]:
+    with EmbeddedServer(Engine.from_pretrained(tiny_dir, EngineConfig(max_batch_size=8)), default_max_tokens=16) as s:
+        s.start()
+        yield s
+
+
+def _client(server: EmbeddedServer) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     """The module's server: its tests leave the engine's weights and version as loaded."""
-    with _serve(tiny_dir) as s:
-        s.start()
+    with _serving(tiny_dir) as s:
         yield s
 
 
 @pytest.fixture
 def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+    with _client(server) as c:
         yield c
 
 
 @pytest.fixture
-def own_server(tiny_dir):
-    """A server of its own, for a test that replaces the weights: no other test may see them."""
-    with _serve(tiny_dir) as s:
-        s.start()
-        yield s
-
-
-@pytest.fixture
-def own_client(own_server):
-    with httpx.Client(base_url=own_server.base_url, timeout=60) as c:
-        yield c
+def own_server_and_client(tiny_dir):
+    """A server of its own and its client, for a test that replaces the weights: no other test may see them."""
+    with _serving(tiny_dir) as s, _client(s) as c:
+        yield s, c
 
 
 def _chat(client: httpx.Client, **body) -> dict:
@@ -139,10 +140,10 @@ def test_health_and_info_routes(client) -> None:
     assert client.get("/v1/models").json()["data"][0]["id"] == health["model"]
 
 
-def test_weight_update_from_disk_over_http(own_server, own_client, tmp_path) -> None:
+def test_weight_update_from_disk_over_http(own_server_and_client, tmp_path) -> None:
     from safetensors.torch import save_file
 
-    server, client = own_server, own_client
+    server, client = own_server_and_client
     generator = torch.Generator().manual_seed(0)
     weights = {n: (p.detach() + 0.05 * torch.randn(p.shape, generator=generator)).contiguous() for n, p in server.engine.model.named_parameters()}
     save_file(weights, str(tmp_path / "model.safetensors"))
